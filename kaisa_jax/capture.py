@@ -1,0 +1,342 @@
+"""Capture: the layer inputs ``a`` and output gradients ``g`` of a Flax model.
+
+`value_and_grad` wraps a loss function whose body calls ``model.apply``. Flax
+method interceptors see every call of a supported layer: they record its input
+``a`` and add a zero perturbation ``e`` to its output. Differentiating the loss
+with respect to the parameters and the perturbations together gives the
+parameter gradients and ``g = dL/de = dL/ds`` in the same, single backward
+pass; nothing is evaluated twice.
+
+The perturbations need the shapes of the layer outputs, so the loss is first
+traced abstractly (`jax.eval_shape`, no computation). The same abstract trace
+gives the registry of layers (`Layers`) that `kaisa_jax.kfac` is built from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax.core import FrozenDict
+
+from kaisa_jax import layers as layers_lib
+
+Array = jax.Array
+
+
+class LayerCurvature(NamedTuple):
+  """What one layer contributes to the curvature, one entry per call.
+
+  Attributes:
+    a: the layer inputs.
+    g: the gradients of the loss at the layer outputs.
+    n: the number of examples the loss averages over (a float32 scalar).
+  """
+
+  a: tuple[Array, ...]
+  g: tuple[Array, ...]
+  n: tuple[Array, ...]
+
+
+Curvature = dict[str, LayerCurvature]
+
+
+@dataclasses.dataclass(frozen=True)
+class Skipped:
+  """A module with parameters that is not preconditioned, and why."""
+
+  name: str
+  module_type: str
+  reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Layers:
+  """The registry of a model's layers, as found by tracing its loss once.
+
+  Attributes:
+    specs: the layers that are captured and can be preconditioned.
+    skipped: modules with parameters that are not preconditioned (their
+      gradients pass through K-FAC unchanged), with the reason.
+  """
+
+  specs: tuple[layers_lib.LayerSpec, ...]
+  skipped: tuple[Skipped, ...] = ()
+
+  def __str__(self) -> str:
+    lines = [
+      f"{'layer':<28} {'kind':<6} {'kernel':<18} {'calls':>5} {'rows':>8} {'A':>16} {'G':>16}"
+    ]
+    for s in self.specs:
+      a_shape = f"{s.groups}x{s.a_dim}x{s.a_dim}" if s.groups > 1 else f"{s.a_dim}x{s.a_dim}"
+      g_shape = f"{s.groups}x{s.g_dim}x{s.g_dim}" if s.groups > 1 else f"{s.g_dim}x{s.g_dim}"
+      lines.append(
+        f"{s.name:<28} {s.kind:<6} {s.kernel_shape!s:<18} {s.calls:>5}"
+        f" {s.rows:>8} {a_shape:>16} {g_shape:>16}"
+      )
+    for k in self.skipped:
+      lines.append(f"{k.name:<28} not preconditioned ({k.module_type}): {k.reason}")
+    return "\n".join(lines)
+
+
+@dataclasses.dataclass
+class _Call:
+  """One intercepted call of a supported layer, in call order."""
+
+  name: str
+  spec: layers_lib.LayerSpec | None
+  out: jax.ShapeDtypeStruct
+  rows: int
+
+
+def _module_name(module: nn.Module) -> str:
+  return "/".join(module.path) if module.path else type(module).__name__
+
+
+def _direct_params(module: nn.Module) -> dict[str, Any]:
+  """The parameters a module holds itself (not through submodules)."""
+  params = module.variables.get("params", {}) if module.scope is not None else {}
+  return {k: v for k, v in params.items() if not isinstance(v, dict | FrozenDict)}
+
+
+def _param_path(module: nn.Module, kernel: Array, leaf_paths: dict[int, tuple]) -> tuple[Any, ...]:
+  """Where the layer's parameter dict sits in the params given to the loss.
+
+  The kernel is found by identity (the loss passed it through unchanged); a
+  loss that transforms its parameters (a dtype cast, say) is matched by module
+  path instead.
+  """
+  path = leaf_paths.get(id(kernel))
+  if path is not None:
+    return path[:-1]
+  suffix = (*module.path, "kernel")
+  candidates = [
+    p
+    for p in leaf_paths.values()
+    if tuple(getattr(k, "key", k) for k in p[-len(suffix) :]) == suffix
+  ]
+  if len(candidates) != 1:
+    raise ValueError(
+      f"kaisa_jax could not find the parameters of layer {_module_name(module)!r} in "
+      "the params given to the loss function. Pass the params to model.apply "
+      "unchanged (as the first argument of the loss)."
+    )
+  return candidates[0][:-1]
+
+
+class _Selection(NamedTuple):
+  include: tuple[str, ...] | None
+  exclude: tuple[str, ...]
+
+  def selects(self, name: str) -> bool:
+    if any(fnmatch.fnmatchcase(name, p) for p in self.exclude):
+      return False
+    if self.include is None:
+      return True
+    return any(fnmatch.fnmatchcase(name, p) for p in self.include)
+
+  def check_patterns(self, names: Sequence[str]) -> None:
+    for pattern in (*(self.include or ()), *self.exclude):
+      if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+        raise ValueError(
+          f"layer pattern {pattern!r} matches no layer; the supported layers are "
+          f"{sorted(set(names))}"
+        )
+
+
+def _as_patterns(patterns: str | Sequence[str] | None, arg: str) -> tuple[str, ...] | None:
+  if patterns is None:
+    return None
+  if isinstance(patterns, str):
+    return (patterns,)
+  if not all(isinstance(p, str) for p in patterns):
+    raise TypeError(f"{arg} must be a glob pattern or a sequence of them, got {patterns!r}")
+  return tuple(patterns)
+
+
+def _trace(
+  fun: Callable[..., Any], params: Any, args: tuple, kwargs: dict, selection: _Selection
+) -> tuple[Layers, list[_Call]]:
+  """Traces the loss abstractly; returns the registry and the calls in order."""
+  calls: list[_Call] = []
+  skipped: dict[str, Skipped] = {}
+
+  def traced(params):
+    leaf_paths = {id(leaf): path for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+    def interceptor(next_fun, call_args, call_kwargs, context):
+      module = context.module
+      name = _module_name(module)
+      kind = layers_lib.layer_kind(module)
+      if kind is None or context.method_name != "__call__":
+        if kind is None and _direct_params(module) and name not in skipped:
+          skipped[name] = Skipped(
+            name, type(module).__name__, "unsupported layer type; gradients pass through"
+          )
+        return next_fun(*call_args, **call_kwargs)
+      out = next_fun(*call_args, **call_kwargs)
+      own = _direct_params(module)
+      spec = None
+      if selection.selects(name):
+        try:
+          spec = layers_lib.make_spec(
+            module,
+            name,
+            _param_path(module, own["kernel"], leaf_paths),
+            tuple(own["kernel"].shape),
+            "bias" in own,
+          )
+        except layers_lib.UnsupportedLayerError as e:
+          skipped[name] = Skipped(name, type(module).__name__, str(e))
+      elif name not in skipped:
+        skipped[name] = Skipped(name, type(module).__name__, "excluded by a layer pattern")
+      rows = int(np.prod(out.shape[:-1]))
+      calls.append(_Call(name, spec, jax.ShapeDtypeStruct(out.shape, out.dtype), rows))
+      return out
+
+    with nn.intercept_methods(interceptor):
+      return fun(params, *args, **kwargs)
+
+  jax.eval_shape(traced, params)
+  selection.check_patterns([c.name for c in calls])
+  specs: dict[str, layers_lib.LayerSpec] = {}
+  for c in calls:
+    if c.spec is None or c.name in skipped:
+      continue
+    prev = specs.get(c.name)
+    if prev is None:
+      specs[c.name] = dataclasses.replace(c.spec, calls=1, rows=c.rows)
+    else:
+      specs[c.name] = dataclasses.replace(prev, calls=prev.calls + 1, rows=prev.rows + c.rows)
+  return Layers(tuple(specs.values()), tuple(skipped.values())), calls
+
+
+class ValueAndGrad:
+  """A loss function's value, gradient and curvature in one backward pass.
+
+  Built by `value_and_grad`; calling it returns ``(value, grads, curvature)``.
+  """
+
+  def __init__(
+    self,
+    fun: Callable[..., Any],
+    has_aux: bool,
+    selection: _Selection,
+    n_examples: int | None,
+  ):
+    self._fun = fun
+    self._has_aux = has_aux
+    self._selection = selection
+    self._n_examples = n_examples
+
+  def layers(self, params: Any, *args: Any, **kwargs: Any) -> Layers:
+    """Traces the loss abstractly (no computation) and lists its layers.
+
+    Takes the same arguments as the loss function. The result is what
+    `kaisa_jax.kfac` needs; ``print`` it to see every layer, its factor shapes,
+    and every module with parameters that is not preconditioned.
+    """
+    return _trace(self._fun, params, args, kwargs, self._selection)[0]
+
+  def __call__(self, params: Any, *args: Any, **kwargs: Any):
+    registry, calls = _trace(self._fun, params, args, kwargs, self._selection)
+    captured = {s.name for s in registry.specs}
+    perturbations = [
+      jnp.zeros(c.out.shape, c.out.dtype) if c.name in captured else None for c in calls
+    ]
+
+    def loss_with_perturbations(params, perturbations):
+      inputs: list[Any] = []
+      position = iter(range(len(calls)))
+
+      def interceptor(next_fun, call_args, call_kwargs, context):
+        module = context.module
+        if layers_lib.layer_kind(module) is None or context.method_name != "__call__":
+          return next_fun(*call_args, **call_kwargs)
+        i = next(position, len(calls))
+        if i >= len(calls) or calls[i].name != _module_name(module):
+          raise RuntimeError(
+            "kaisa_jax: the loss function called its layers in a different order "
+            "than when it was traced; the loss must be a deterministic function."
+          )
+        out = next_fun(*call_args, **call_kwargs)
+        if perturbations[i] is None:
+          inputs.append(None)
+          return out
+        inputs.append(call_args[0] if call_args else call_kwargs["inputs"])
+        return out + perturbations[i]
+
+      with nn.intercept_methods(interceptor):
+        result = self._fun(params, *args, **kwargs)
+      loss, aux = result if self._has_aux else (result, None)
+      return loss, (aux, inputs)
+
+    (loss, (aux, inputs)), (grads, out_grads) = jax.value_and_grad(
+      loss_with_perturbations, argnums=(0, 1), has_aux=True
+    )(params, perturbations)
+
+    spec_of = {s.name: s for s in registry.specs}
+    curvature: dict[str, LayerCurvature] = {}
+    for c, a, g in zip(calls, inputs, out_grads, strict=True):
+      if g is None:
+        continue
+      n = self._n_examples or layers_lib.default_examples(spec_of[c.name], a)
+      entry = curvature.get(c.name, LayerCurvature((), (), ()))
+      curvature[c.name] = LayerCurvature(
+        (*entry.a, a), (*entry.g, g), (*entry.n, jnp.asarray(n, jnp.float32))
+      )
+    value = (loss, aux) if self._has_aux else loss
+    return value, grads, curvature
+
+
+def value_and_grad(
+  fun: Callable[..., Any],
+  has_aux: bool = False,
+  *,
+  include: str | Sequence[str] | None = None,
+  exclude: str | Sequence[str] | None = None,
+  n_examples: int | None = None,
+) -> ValueAndGrad:
+  """Like `jax.value_and_grad`, plus the curvature K-FAC needs.
+
+  ``fun(params, *args, **kwargs)`` must compute the loss by calling a Flax
+  linen model's ``apply`` with ``params`` (the whole variables dict, or the
+  ``params`` collection that the loss wraps). Every ``nn.Dense`` and ``nn.Conv``
+  called inside it is captured, wherever it is nested. The result is a
+  callable returning ``(value, grads, curvature)``, where ``value`` is the loss
+  (or ``(loss, aux)`` with ``has_aux``), ``grads`` the gradient with respect to
+  ``params``, and ``curvature`` the layers' inputs and output gradients, to be
+  passed to the K-FAC transformation as ``update(..., curvature=curvature)``.
+  It costs one forward and one backward pass, as `jax.value_and_grad` does.
+
+  Args:
+    fun: the loss function; its first argument is differentiated.
+    has_aux: whether ``fun`` returns ``(loss, aux)``.
+    include: glob patterns (``fnmatch``) over layer names (the module path
+      joined by ``/``, e.g. ``"encoder/Dense_0"``); only matching layers are
+      captured. ``None`` captures every supported layer.
+    exclude: glob patterns of layers not to capture (applied after
+      ``include``). A pattern that matches no layer is an error.
+    n_examples: the number of examples the loss averages over, ``n`` in
+      ``G = (1/n) sum_rows (n g)(n g)^T``. ``None`` uses the leading axis of
+      each layer's input (the batch size, right for a loss that is a mean over
+      the batch). Pass ``batch * length`` for a loss averaged over tokens and
+      ``1`` for a summed loss.
+
+  Returns:
+    A `ValueAndGrad`; its ``layers(params, *args, **kwargs)`` method lists the
+    captured layers without computing anything.
+  """
+  if not callable(fun):
+    raise TypeError(f"value_and_grad needs a callable loss function, got {fun!r}")
+  if n_examples is not None and (not isinstance(n_examples, int) or n_examples < 1):
+    raise ValueError(f"n_examples must be a positive int or None, got {n_examples!r}")
+  include_patterns = _as_patterns(include, "include")
+  exclude_patterns = _as_patterns(exclude, "exclude") or ()
+  return ValueAndGrad(fun, has_aux, _Selection(include_patterns, exclude_patterns), n_examples)

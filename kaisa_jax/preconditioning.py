@@ -1,0 +1,123 @@
+"""Decompositions of the factors and the preconditioned gradient.
+
+For a layer with factors ``A`` (input side) and ``G`` (output side) and its
+gradient as a matrix ``V`` of shape ``(a_dim, g_dim)``:
+
+* ``"eigen"``: ``A = Qa diag(da) Qa^T``, ``G = Qg diag(dg) Qg^T`` and
+
+    ``P = Qa [ (Qa^T V Qg) / (da dg^T + damping) ] Qg^T``,
+
+  which is exactly ``(A (x) G + damping I)^-1 vec(V)``. The damping enters at
+  every step, so a damping schedule acts between decompositions too.
+* ``"inverse"``: ``P = (A + damping I)^-1 V (G + damping I)^-1``. This damps
+  each factor separately, a different (stronger) regulariser than the eigen
+  method's for the same ``damping``; the damping is applied when the inverses
+  are computed.
+
+A side may be kept diagonal (its factor is then a vector of the diagonal):
+its basis is the identity and its eigenvalues are the diagonal itself.
+
+Decompositions run in float32 or better whatever the model dtype: factors are
+symmetrised first and eigenvalues clamped at zero.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+HIGHEST = jax.lax.Precision.HIGHEST
+
+EIGEN = "eigen"
+INVERSE = "inverse"
+METHODS = (EIGEN, INVERSE)
+
+
+class Decomposition(NamedTuple):
+  """What preconditioning uses from one factor, batched over groups.
+
+  Attributes:
+    basis: eigenvectors (eigen method) or the damped inverse (inverse method),
+      ``(groups, d, d)``; ``None`` for a diagonal side.
+    values: eigenvalues (eigen method, or a diagonal side of it) or the damped
+      inverse of a diagonal side (inverse method), ``(groups, d)``; ``None``
+      for a dense side of the inverse method.
+  """
+
+  basis: Array | None
+  values: Array | None
+
+
+def decomposition_dtype(factor_dtype: Any) -> Any:
+  """Decompositions run in the factor dtype, but never below float32."""
+  return jnp.promote_types(factor_dtype, jnp.float32)
+
+
+def initial(dim: int, groups: int, method: str, diagonal: bool, dtype: Any) -> Decomposition:
+  """The decomposition of a zero factor (identity basis, zero eigenvalues)."""
+  eye = jnp.broadcast_to(jnp.eye(dim, dtype=dtype), (groups, dim, dim))
+  zeros = jnp.zeros((groups, dim), dtype)
+  if diagonal:
+    return Decomposition(None, zeros)
+  return Decomposition(eye, zeros if method == EIGEN else None)
+
+
+def decompose(factor: Array, method: str, diagonal: bool, damping: Array) -> Decomposition:
+  """Decomposes one factor (``(groups, d, d)``, or ``(groups, d)`` if diagonal)."""
+  dtype = decomposition_dtype(factor.dtype)
+  factor = factor.astype(dtype)
+  if diagonal:
+    values = jnp.maximum(factor, 0.0)
+    return Decomposition(None, values if method == EIGEN else 1.0 / (values + damping))
+  factor = 0.5 * (factor + jnp.swapaxes(factor, -1, -2))
+  if method == EIGEN:
+    values, vectors = jnp.linalg.eigh(factor)
+    return Decomposition(vectors, jnp.maximum(values, 0.0))
+  eye = jnp.eye(factor.shape[-1], dtype=dtype)
+  damped = factor + damping * eye
+  chol = jax.scipy.linalg.cho_factor(damped, lower=True)
+  inverse = jax.scipy.linalg.cho_solve(chol, jnp.broadcast_to(eye, damped.shape))
+  return Decomposition(inverse, None)
+
+
+def _rotate_in(v: Array, a: Decomposition, g: Decomposition) -> Array:
+  if a.basis is not None:
+    v = jnp.einsum("gij,gik->gjk", a.basis, v, precision=HIGHEST)
+  if g.basis is not None:
+    v = jnp.einsum("gij,gjk->gik", v, g.basis, precision=HIGHEST)
+  return v
+
+
+def _rotate_out(v: Array, a: Decomposition, g: Decomposition) -> Array:
+  if a.basis is not None:
+    v = jnp.einsum("gij,gjk->gik", a.basis, v, precision=HIGHEST)
+  if g.basis is not None:
+    v = jnp.einsum("gij,gkj->gik", v, g.basis, precision=HIGHEST)
+  return v
+
+
+def precondition(
+  v: Array, a: Decomposition, g: Decomposition, method: str, damping: Array
+) -> Array:
+  """The preconditioned gradient of one layer, ``v`` of shape ``(groups, a_dim, g_dim)``."""
+  if method == EIGEN:
+    scale = a.values[:, :, None] * g.values[:, None, :] + damping
+    return _rotate_out(_rotate_in(v, a, g) / scale, a, g)
+  if a.basis is not None:
+    v = jnp.einsum("gij,gjk->gik", a.basis, v, precision=HIGHEST)
+  else:
+    v = v * a.values[:, :, None]
+  if g.basis is not None:
+    return jnp.einsum("gij,gjk->gik", v, g.basis, precision=HIGHEST)
+  return v * g.values[:, None, :]
+
+
+def kl_clip_scale(vg_sum: Array, kl_clip: Array, lr: Array) -> Array:
+  """``nu = min(1, sqrt(kl_clip / |lr^2 sum_layers <P, V>|))``; 1 when the sum is 0."""
+  denom = jnp.abs(lr**2 * vg_sum)
+  return jnp.where(
+    denom > 0, jnp.minimum(1.0, jnp.sqrt(kl_clip / jnp.where(denom > 0, denom, 1.0))), 1.0
+  )

@@ -1,0 +1,192 @@
+"""Cadence, damping schedules, the KL clip, lax.cond and compilation."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import references as ref
+
+import kaisa_jax
+
+
+class MLP(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.tanh(nn.Dense(6)(x))
+    return nn.Dense(3)(x)
+
+
+MODEL = MLP()
+
+
+def loss_fn(params, x, y):
+  return jnp.mean(jnp.sum((MODEL.apply(params, x) - y) ** 2, axis=-1))
+
+
+def batches(n, dtype=jnp.float32):
+  key = jax.random.key(7)
+  out = []
+  for k in jax.random.split(key, n):
+    kx, ky = jax.random.split(k)
+    out.append((jax.random.normal(kx, (10, 4), dtype), jax.random.normal(ky, (10, 3), dtype)))
+  return out
+
+
+def setup(dtype=jnp.float32, **kwargs):
+  data = batches(8, dtype)
+  params = MODEL.init(jax.random.key(0), data[0][0])
+  params = jax.tree.map(lambda p: p.astype(dtype), params)
+  grad_fn = kaisa_jax.value_and_grad(loss_fn)
+  config = dict(kl_clip=None, max_cost_ratio=None, factor_dtype=dtype) | kwargs
+  tx = kaisa_jax.kfac(grad_fn.layers(params, *data[0]), **config)
+  return data, params, grad_fn, tx
+
+
+def test_factors_and_decompositions_change_only_on_their_steps():
+  data, params, grad_fn, tx = setup(factor_update_steps=2, inv_update_steps=3, factor_decay=0.5)
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  history = []
+  for x, y in data[:7]:
+    _, grads, curvature = grad_fn(params, x, y)
+    _, state = update(grads, state, params, curvature=curvature)
+    history.append(state)
+  for k in range(1, 7):
+    changed_f = not all(
+      np.array_equal(a, b)
+      for a, b in zip(jax.tree.leaves(history[k].factors), jax.tree.leaves(history[k - 1].factors))
+    )
+    changed_d = not all(
+      np.array_equal(a, b)
+      for a, b in zip(
+        jax.tree.leaves(history[k].decompositions), jax.tree.leaves(history[k - 1].decompositions)
+      )
+    )
+    assert changed_f == (k % 2 == 0), k
+    assert changed_d == (k % 3 == 0), k
+  # A decomposition made at an inverse step reproduces the factor of that step.
+  for k in (0, 3, 6):
+    for name, dec in history[k].decompositions.items():
+      factor = history[k].factors[name].a[0]
+      rebuilt = dec.a.basis[0] @ np.diag(dec.a.values[0]) @ dec.a.basis[0].T
+      np.testing.assert_allclose(rebuilt, factor, rtol=1e-4, atol=1e-5)
+  assert int(history[-1].count) == 7
+
+
+def test_running_average_is_bias_corrected():
+  data, params, grad_fn, tx = setup(factor_update_steps=1, factor_decay=0.7)
+  state = tx.init(params)
+  batch_factors = []
+  for x, y in data[:3]:
+    _, grads, curvature = grad_fn(params, x, y)
+    _, state = tx.update(grads, state, params, curvature=curvature)
+    a = np.asarray(curvature["Dense_0"].a[0], np.float64)
+    rows = ref.dense_rows(a, True)
+    batch_factors.append(ref.input_factor(rows))
+  weights = np.array([0.7**2, 0.7, 1.0]) * 0.3
+  expected = sum(w * f for w, f in zip(weights, batch_factors)) / weights.sum()
+  np.testing.assert_allclose(state.factors["Dense_0"].a[0], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_damping_schedule_is_honoured_step_by_step(x64):
+  schedule = lambda step: 0.02 * (1.0 + step)  # noqa: E731
+  data, params, grad_fn, tx = setup(
+    jnp.float64, damping=schedule, factor_update_steps=1, inv_update_steps=3, factor_decay=0.0
+  )
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  last_inverse_factors = None
+  for k, (x, y) in enumerate(data[:6]):
+    _, grads, curvature = grad_fn(params, x, y)
+    updates, state = update(grads, state, params, curvature=curvature)
+    if k % 3 == 0:
+      last_inverse_factors = jax.tree.map(np.asarray, state.factors)
+    for name in ("Dense_0", "Dense_1"):
+      f = last_inverse_factors[name]
+      v = ref.gradient_matrix(grads["params"][name]["kernel"], grads["params"][name]["bias"], 1)[0]
+      expected = ref.kronecker_solve(f.a[0], f.g[0], v, schedule(k))
+      got = ref.gradient_matrix(
+        updates["params"][name]["kernel"], updates["params"][name]["bias"], 1
+      )[0]
+      np.testing.assert_allclose(got, expected, rtol=1e-8, atol=1e-12)
+
+
+@pytest.mark.parametrize("kl_clip", [1e-5, 1e3])
+def test_kl_clip_matches_formula(kl_clip):
+  lr = 0.3
+  data, params, grad_fn, plain = setup(factor_update_steps=1, inv_update_steps=1)
+  _, _, _, clipped = setup(factor_update_steps=1, inv_update_steps=1, kl_clip=kl_clip, lr=lr)
+  x, y = data[0]
+  _, grads, curvature = grad_fn(params, x, y)
+  p, _ = plain.update(grads, plain.init(params), params, curvature=curvature)
+  c, _ = clipped.update(grads, clipped.init(params), params, curvature=curvature)
+  vg = sum(
+    np.sum(np.asarray(a, np.float64) * np.asarray(b))
+    for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(grads))
+  )
+  nu = min(1.0, np.sqrt(kl_clip / abs(lr**2 * vg)))
+  assert (nu < 1.0) == (kl_clip < 1.0)
+  for a, b in zip(jax.tree.leaves(c), jax.tree.leaves(p)):
+    np.testing.assert_allclose(a, nu * np.asarray(b), rtol=1e-5, atol=1e-8)
+
+
+def _subjaxprs(eqn):
+  for value in eqn.params.values():
+    for item in value if isinstance(value, tuple | list) else (value,):
+      if isinstance(item, jax.extend.core.ClosedJaxpr):
+        yield item.jaxpr
+      elif isinstance(item, jax.extend.core.Jaxpr):
+        yield item
+
+
+def _primitives(jaxpr, into_cond: bool):
+  """Primitive names reachable from ``jaxpr``, optionally not descending into conds."""
+  names = set()
+  for eqn in jaxpr.eqns:
+    names.add(eqn.primitive.name)
+    if eqn.primitive.name != "cond" or into_cond:
+      for sub in _subjaxprs(eqn):
+        names |= _primitives(sub, into_cond)
+  return names
+
+
+def test_skipped_work_sits_under_cond():
+  data, params, grad_fn, tx = setup(factor_update_steps=2, inv_update_steps=3)
+  state = tx.init(params)
+  x, y = data[0]
+  _, grads, curvature = grad_fn(params, x, y)
+  closed = jax.make_jaxpr(lambda g, s, c: tx.update(g, s, params, curvature=c))(
+    grads, state, curvature
+  )
+  outside = _primitives(closed.jaxpr, into_cond=False)
+  assert "cond" in outside
+  assert "eigh" not in outside
+  assert "eigh" in _primitives(closed.jaxpr, into_cond=True)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_jit_chain_trains_without_recompiling(optimizer):
+  data, params, grad_fn, kfac = setup(
+    factor_update_steps=2, inv_update_steps=3, kl_clip=1e-2, lr=0.1
+  )
+  inner = optax.sgd(0.1) if optimizer == "sgd" else optax.adam(0.05)
+  tx = optax.chain(kfac, inner)
+  state = tx.init(params)
+  traces = []
+
+  @jax.jit
+  def step(params, state, x, y):
+    traces.append(1)
+    loss, grads, curvature = grad_fn(params, x, y)
+    updates, state = tx.update(grads, state, params, curvature=curvature)
+    return optax.apply_updates(params, updates), state, loss
+
+  x, y = data[0]
+  first = float(loss_fn(params, x, y))
+  for _ in range(25):
+    params, state, loss = step(params, state, x, y)
+  assert len(traces) == 1
+  assert step._cache_size() == 1
+  assert float(loss) < 0.5 * first

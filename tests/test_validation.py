@@ -1,0 +1,105 @@
+"""Bad configuration is rejected at once, with a message naming the fix."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import kaisa_jax
+
+MODEL = nn.Dense(3)
+X = jnp.ones((4, 2))
+PARAMS = MODEL.init(jax.random.key(0), X)
+
+
+def loss_fn(params, x):
+  return jnp.mean(MODEL.apply(params, x) ** 2)
+
+
+GRAD_FN = kaisa_jax.value_and_grad(loss_fn)
+LAYERS = GRAD_FN.layers(PARAMS, X)
+
+
+@pytest.mark.parametrize(
+  "kwargs, error, match",
+  [
+    (dict(damping=-1e-3), ValueError, "damping must lie in"),
+    (dict(damping="big"), TypeError, "damping must be a real number"),
+    (dict(damping=lambda step: "x"), TypeError, r"damping\(0\) must be a real number"),
+    (dict(damping=lambda step: jnp.ones(3)), TypeError, r"damping\(0\) must be a scalar"),
+    (dict(factor_decay=1.0), ValueError, "factor_decay must lie in"),
+    (dict(factor_decay=-0.1), ValueError, "factor_decay must lie in"),
+    (dict(factor_update_steps=0), ValueError, "factor_update_steps must be at least 1"),
+    (dict(factor_update_steps=-5), ValueError, "factor_update_steps must be at least 1"),
+    (dict(factor_update_steps=2.5), TypeError, "factor_update_steps must be a positive int"),
+    (dict(inv_update_steps=0), ValueError, "inv_update_steps must be at least 1"),
+    (
+      dict(inv_update_steps=lambda s: 0.5),
+      TypeError,
+      r"inv_update_steps\(0\) must be a positive int",
+    ),
+    (dict(compute_method="cholesky"), ValueError, "compute_method must be one of"),
+    (dict(kl_clip=1e-3, lr=None), ValueError, "kl_clip needs the learning rate"),
+    (dict(kl_clip=-1.0, lr=0.1), ValueError, "kl_clip must lie in"),
+    (dict(kl_clip=None, lr=-0.1), ValueError, "lr must lie in"),
+    (
+      dict(kl_clip=None, factor_dtype=jnp.int32),
+      TypeError,
+      "factor_dtype must be a floating dtype",
+    ),
+    (dict(kl_clip=None, max_cost_ratio=-1.0), ValueError, "max_cost_ratio must lie in"),
+  ],
+)
+def test_bad_hyperparameters_raise_at_construction(kwargs, error, match):
+  with pytest.raises(error, match=match):
+    kaisa_jax.kfac(LAYERS, **({"kl_clip": None} | kwargs))
+
+
+def test_layers_argument_is_required_and_checked():
+  with pytest.raises(TypeError, match=r"grad_fn\.layers"):
+    kaisa_jax.kfac(PARAMS, kl_clip=None)
+
+
+def test_bad_value_and_grad_arguments():
+  with pytest.raises(ValueError, match="n_examples"):
+    kaisa_jax.value_and_grad(loss_fn, n_examples=0)
+  with pytest.raises(TypeError, match="include"):
+    kaisa_jax.value_and_grad(loss_fn, include=[3])
+  with pytest.raises(TypeError, match="callable"):
+    kaisa_jax.value_and_grad("loss")
+
+
+def test_update_without_or_with_foreign_curvature_raises():
+  tx = kaisa_jax.kfac(LAYERS, kl_clip=None)
+  state = tx.init(PARAMS)
+  _, grads, _ = GRAD_FN(PARAMS, X)
+  with pytest.raises(ValueError, match="needs the curvature"):
+    tx.update(grads, state, PARAMS)
+
+  class Other(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(3)(nn.Dense(4)(x))
+
+  other = Other()
+  other_params = other.init(jax.random.key(0), X)
+  other_grad_fn = kaisa_jax.value_and_grad(lambda p, x: jnp.mean(other.apply(p, x) ** 2))
+  _, _, other_curvature = other_grad_fn(other_params, X)
+  with pytest.raises(ValueError, match="curvature does not match kfac's layers"):
+    tx.update(grads, state, PARAMS, curvature=other_curvature)
+  with pytest.raises(ValueError, match="have no kernel for layer"):
+    tx.init(other_params)
+
+  wide = nn.Dense(5)
+  wide_params = wide.init(jax.random.key(0), X)
+  with pytest.raises(ValueError, match=r"have shape \(2, 5\), but kfac's layers say \(2, 3\)"):
+    tx.init(wide_params)
+
+
+def test_chained_update_still_requires_curvature():
+  tx = optax.chain(kaisa_jax.kfac(LAYERS, kl_clip=None), optax.sgd(0.1))
+  state = tx.init(PARAMS)
+  _, grads, _ = GRAD_FN(PARAMS, X)
+  with pytest.raises(ValueError, match="needs the curvature"):
+    tx.update(grads, state, PARAMS)
