@@ -22,6 +22,7 @@ whose groups are independent layers as far as K-FAC is concerned):
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import Any
 
@@ -162,33 +163,56 @@ def default_examples(spec: LayerSpec, inputs: Array) -> int:
   return inputs.shape[0] if inputs.ndim > unbatched_rank else 1
 
 
-def _conv_patches(spec: LayerSpec, inputs: Array, dtype: Any) -> Array:
-  """Input patches of a convolution, shape ``(rows, in_features, prod(kernel))``.
+def _pad_like_flax(x: Array, config: ConvConfig) -> Array:
+  """Pads a ``(batch, *spatial, features)`` input as ``nn.Conv`` does; then no more padding."""
+  rank = len(config.kernel_size)
+  extents = [
+    (k - 1) * d + 1 for k, d in zip(config.kernel_size, config.kernel_dilation, strict=True)
+  ]
+  if config.padding in ("CIRCULAR", "REFLECT"):
+    mode = {"CIRCULAR": "wrap", "REFLECT": "reflect"}[config.padding]
+    pads = [((e - 1) // 2, e // 2) for e in extents]
+    x = jnp.pad(x, [(0, 0), *pads, (0, 0)], mode=mode)
+  elif config.padding == "CAUSAL":
+    x = jnp.pad(x, [(0, 0), (extents[0] - 1, 0), (0, 0)])
+  zero = jnp.zeros((), x.dtype)
+  if any(d > 1 for d in config.input_dilation):
+    interior = [(0, 0, d - 1) for d in config.input_dilation]
+    x = jax.lax.pad(x, zero, [(0, 0, 0), *interior, (0, 0, 0)])
+  if config.padding in ("SAME", "SAME_LOWER", "VALID"):
+    pads = jax.lax.padtype_to_pads(x.shape[1 : rank + 1], extents, config.strides, config.padding)
+  elif isinstance(config.padding, str):
+    pads = [(0, 0)] * rank
+  else:
+    pads = config.padding
+  return jax.lax.pad(x, zero, [(0, 0, 0), *((lo, hi, 0) for lo, hi in pads), (0, 0, 0)])
 
-  The patches come from Flax's own convolution with a one-hot depthwise kernel,
-  so every padding mode, stride and dilation Flax supports is honoured exactly.
+
+def _conv_patches(spec: LayerSpec, inputs: Array, dtype: Any) -> Array:
+  """Input patches of a convolution, shape ``(rows, prod(kernel_size), in_features)``.
+
+  One strided slice of the padded input per kernel tap: data movement only.
   """
   config = spec.conv
   assert config is not None
-  taps = math.prod(config.kernel_size)
-  in_features = inputs.shape[-1]
-  one_hot = jnp.eye(taps, dtype=dtype).reshape(*config.kernel_size, 1, taps)
-  kernel = jnp.tile(one_hot, (1,) * len(config.kernel_size) + (1, in_features))
-  conv = nn.Conv(
-    features=in_features * taps,
-    kernel_size=config.kernel_size,
-    strides=config.strides,
-    padding=config.padding,
-    input_dilation=config.input_dilation,
-    kernel_dilation=config.kernel_dilation,
-    feature_group_count=in_features,
-    use_bias=False,
-    dtype=dtype,
-    param_dtype=dtype,
-    precision=jax.lax.Precision.HIGHEST,
-  )
-  patches = conv.apply({"params": {"kernel": kernel}}, inputs.astype(dtype))
-  return patches.reshape(-1, in_features, taps)
+  rank = len(config.kernel_size)
+  x = inputs.astype(dtype).reshape(-1, *inputs.shape[inputs.ndim - rank - 1 :])
+  x = _pad_like_flax(x, config)
+  out = [
+    (size - ((k - 1) * d + 1)) // s + 1
+    for size, k, d, s in zip(
+      x.shape[1:-1], config.kernel_size, config.kernel_dilation, config.strides, strict=True
+    )
+  ]
+  taps = []
+  for tap in itertools.product(*(range(k) for k in config.kernel_size)):
+    start = [t * d for t, d in zip(tap, config.kernel_dilation, strict=True)]
+    limit = [b + (o - 1) * s + 1 for b, o, s in zip(start, out, config.strides, strict=True)]
+    taps.append(
+      jax.lax.slice(x, (0, *start, 0), (x.shape[0], *limit, x.shape[-1]), (1, *config.strides, 1))
+    )
+  patches = jnp.stack(taps, axis=-2)
+  return patches.reshape(-1, len(taps), x.shape[-1])
 
 
 def input_rows(spec: LayerSpec, inputs: Array, dtype: Any) -> Array:
@@ -197,10 +221,10 @@ def input_rows(spec: LayerSpec, inputs: Array, dtype: Any) -> Array:
     rows = inputs.astype(dtype).reshape(1, -1, spec.kernel_shape[0])
   else:
     patches = _conv_patches(spec, inputs, dtype)
-    num_rows, in_features, taps = patches.shape
+    num_rows, taps, in_features = patches.shape
     per_group = in_features // spec.groups
-    patches = patches.reshape(num_rows, spec.groups, per_group, taps)
-    rows = patches.transpose(1, 0, 3, 2).reshape(spec.groups, num_rows, taps * per_group)
+    patches = patches.reshape(num_rows, taps, spec.groups, per_group)
+    rows = patches.transpose(2, 0, 1, 3).reshape(spec.groups, num_rows, taps * per_group)
   if spec.has_bias:
     ones = jnp.ones((*rows.shape[:-1], 1), dtype)
     rows = jnp.concatenate([rows, ones], axis=-1)

@@ -220,10 +220,66 @@ def _initial_factors(spec: layers_lib.LayerSpec, t: cost.Treatment, dtype: Any) 
   return LayerFactors(*(jnp.zeros(s, dtype) for s in shapes))
 
 
+def update_factors(
+  plan: Plan,
+  factors: dict[str, LayerFactors],
+  total: Array,
+  curvature: Curvature,
+  decay: Array,
+  dtype: Any,
+) -> tuple[dict[str, LayerFactors], Array]:
+  """Phase 1: folds the current batch's factors into the running averages."""
+  weight, total = factors_lib.average_weight(total, decay)
+  weight = weight.astype(dtype)
+  out = {}
+  for spec, t in plan.layers:
+    batch = factors_lib.batch_factors(spec, curvature[spec.name], t.diagonal, dtype)
+    out[spec.name] = LayerFactors(
+      *(
+        factors_lib.running_average(old, new, weight)
+        for old, new in zip(factors[spec.name], batch, strict=True)
+      )
+    )
+  return out, total
+
+
+def decompose_factors(
+  plan: Plan, factors: dict[str, LayerFactors], damping: Array
+) -> dict[str, LayerDecompositions]:
+  """Phase 2: decomposes every factor."""
+  return {
+    spec.name: LayerDecompositions(
+      *(
+        preconditioning.decompose(f, t.method, diag, damping)
+        for f, diag in zip(factors[spec.name], t.diagonal, strict=True)
+      )
+    )
+    for spec, t in plan.layers
+  }
+
+
+def precondition_grads(
+  plan: Plan,
+  grads: dict[str, dict[str, Array]],
+  decompositions: dict[str, LayerDecompositions],
+  damping: Array,
+  dtype: Any,
+) -> tuple[dict[str, Array], Array]:
+  """Phase 3: each layer's preconditioned gradient matrix, and ``sum <P, V>``."""
+  out, vg_sum = {}, jnp.zeros([], dtype)
+  for spec, t in plan.layers:
+    v = layers_lib.to_matrix(spec, grads[spec.name], dtype)
+    dec = decompositions[spec.name]
+    p = preconditioning.precondition(v, dec.a, dec.g, t.method, damping)
+    vg_sum = vg_sum + jnp.sum(p * v)
+    out[spec.name] = p
+  return out, vg_sum
+
+
 def kfac(
   layers: Layers,
   *,
-  damping: ScalarOrSchedule = 1e-3,
+  damping: ScalarOrSchedule = 1e-2,
   factor_decay: ScalarOrSchedule = 0.95,
   factor_update_steps: IntOrSchedule = 10,
   inv_update_steps: IntOrSchedule = 100,
@@ -325,46 +381,21 @@ def kfac(
     step = state.count
     damp = _at(damping, step, dec_dtype)
 
-    def new_factors():
-      weight, total = factors_lib.average_weight(state.factor_total, _at(factor_decay, step))
-      weight = weight.astype(factor_dtype)
-      out = {}
-      for spec, t in plan.layers:
-        batch = factors_lib.batch_factors(spec, curvature[spec.name], t.diagonal, factor_dtype)
-        old = state.factors[spec.name]
-        out[spec.name] = LayerFactors(
-          *(factors_lib.running_average(o, b, weight) for o, b in zip(old, batch, strict=True))
-        )
-      return out, total
-
     every = _at(factor_update_steps, step, jnp.int32)
     factors, total = jax.lax.cond(
-      step % every == 0, new_factors, lambda: (state.factors, state.factor_total)
+      step % every == 0,
+      lambda: update_factors(
+        plan, state.factors, state.factor_total, curvature, _at(factor_decay, step), factor_dtype
+      ),
+      lambda: (state.factors, state.factor_total),
     )
-
-    def new_decompositions():
-      return {
-        spec.name: LayerDecompositions(
-          *(
-            preconditioning.decompose(f, t.method, diag, damp)
-            for f, diag in zip(factors[spec.name], t.diagonal, strict=True)
-          )
-        )
-        for spec, t in plan.layers
-      }
-
     every = _at(inv_update_steps, step, jnp.int32)
     decompositions = jax.lax.cond(
-      step % every == 0, new_decompositions, lambda: state.decompositions
+      step % every == 0,
+      lambda: decompose_factors(plan, factors, damp),
+      lambda: state.decompositions,
     )
-
-    preconditioned, vg_sum = {}, jnp.zeros([], dec_dtype)
-    for spec, t in plan.layers:
-      v = layers_lib.to_matrix(spec, grads[spec.name], dec_dtype)
-      dec = decompositions[spec.name]
-      p = preconditioning.precondition(v, dec.a, dec.g, t.method, damp)
-      vg_sum = vg_sum + jnp.sum(p * v)
-      preconditioned[spec.name] = p
+    preconditioned, vg_sum = precondition_grads(plan, grads, decompositions, damp, dec_dtype)
     nu = 1.0
     if kl_clip is not None:
       nu = preconditioning.kl_clip_scale(

@@ -41,17 +41,33 @@ CASES = {
     dict(features=3, kernel_size=(3, 3), padding=((1, 1), (2, 0)), input_dilation=(2, 1)),
   ),
   "1d-circular": ((2, 7, 2), dict(features=2, kernel_size=(4,), padding="CIRCULAR")),
+  "2d-reflect-strided": (
+    (2, 6, 5, 2),
+    dict(features=2, kernel_size=(3, 2), strides=2, padding="REFLECT"),
+  ),
+  "1d-causal-dilated": (
+    (2, 9, 3),
+    dict(features=2, kernel_size=(3,), padding="CAUSAL", kernel_dilation=2),
+  ),
+  "2d-batch-dims": ((2, 3, 5, 5, 2), dict(features=3, kernel_size=(3, 3), padding=1)),
 }
 
 
 def _reference_patches(x, conv: nn.Conv):
-  rank = x.ndim - 2
+  rank = len(conv.kernel_size)
+  x = x.reshape(-1, *x.shape[-rank - 1 :])  # batch dimensions flattened, as Flax does
   pad = lambda v: (v,) * rank if isinstance(v, int) else tuple(v)  # noqa: E731
   padding = conv.padding
-  if padding == "CIRCULAR":
-    k = conv.kernel_size
-    x = np.pad(x, [(0, 0), *[((kk - 1) // 2, kk // 2) for kk in k], (0, 0)], mode="wrap")
+  extents = [(k - 1) * d + 1 for k, d in zip(conv.kernel_size, pad(conv.kernel_dilation))]
+  if padding in ("CIRCULAR", "REFLECT"):
+    mode = {"CIRCULAR": "wrap", "REFLECT": "reflect"}[padding]
+    x = np.pad(x, [(0, 0), *[((e - 1) // 2, e // 2) for e in extents], (0, 0)], mode=mode)
     padding = "VALID"
+  elif padding == "CAUSAL":
+    x = np.pad(x, [(0, 0), (extents[0] - 1, 0), (0, 0)])
+    padding = "VALID"
+  elif isinstance(padding, int):
+    padding = ((padding, padding),) * rank
   return ref.conv_patches(
     x,
     tuple(conv.kernel_size),

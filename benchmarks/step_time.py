@@ -1,0 +1,235 @@
+"""Step time of K-FAC+SGD over SGD, against the ratio FLOPs alone imply.
+
+For each model and cadence (factor_update_steps, inv_update_steps) this prints
+the step time of SGD (momentum 0.9) and of K-FAC chained with it, their ratio,
+the ratio implied by FLOPs alone, and where K-FAC's time goes per phase.
+
+* Step time: a K-FAC step's cost depends on whether it updates factors or
+  decompositions, so steps are timed in blocks of ``inv_update_steps`` (a whole
+  cadence cycle) and the median block mean is reported; SGD likewise.
+* FLOPs: XLA's cost analysis of each compiled phase (a `lax.cond` is counted as
+  if its branch always ran, so the phases are compiled separately and
+  amortised: ``plain + factors / factor_update_steps + decomposition /
+  inv_update_steps``). XLA does not count LAPACK custom calls; they are added as
+  ``9 n^3`` per ``syevd`` (eigh) and ``n^3 / 3`` per ``potrf`` (Cholesky).
+
+Run: ``python benchmarks/step_time.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import time
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import kaisa_jax
+from kaisa_jax import transform
+
+# Ratios measured on this machine (2 CPU cores) for the KAISA reference
+# (kfac-pytorch) and kfac-jax, quoted for comparison.
+REFERENCE = {
+  "mlp": "KAISA reference 6.2x",
+  "cnn": "KAISA reference 1.55x",
+  "mnist1d": "kfac-jax 8.8-87x",
+}
+CADENCES = ((1, 10), (10, 100))
+BATCH = 128
+DAMPING, DECAY = jnp.float32(1e-2), jnp.float32(0.95)
+
+
+class MLP(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    for _ in range(3):
+      x = nn.relu(nn.Dense(512)(x))
+    return nn.Dense(10)(x)
+
+
+class SmallCNN(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    for features in (32, 64, 64):
+      x = nn.relu(nn.Conv(features, (3, 3))(x))
+      x = nn.avg_pool(x, (2, 2), (2, 2))
+    return nn.Dense(10)(x.reshape(x.shape[0], -1))
+
+
+class MNIST1DCNN(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    for _ in range(3):
+      x = nn.relu(nn.Conv(32, (5,))(x))
+    return nn.Dense(10)(x.reshape(x.shape[0], -1))
+
+
+MODELS = {
+  "mlp": (MLP(), (BATCH, 784)),
+  "cnn": (SmallCNN(), (BATCH, 32, 32, 3)),
+  "mnist1d": (MNIST1DCNN(), (BATCH, 40, 1)),
+}
+
+
+def lapack_flops(hlo: str) -> float:
+  """Flops of the LAPACK custom calls XLA's cost analysis leaves out."""
+  total = 0.0
+  for line in hlo.splitlines():
+    target = re.search(r'custom_call_target="([^"]+)"', line)
+    if not target or not any(k in target.group(1) for k in ("syevd", "potrf")):
+      continue
+    operand = re.search(r"= \(?\w+\[([\d,]+)\]", line)
+    dims = [int(d) for d in operand.group(1).split(",")]
+    n, batch = dims[-1], int(np.prod(dims[:-2]))
+    total += batch * (9.0 if "syevd" in target.group(1) else 1.0 / 3.0) * n**3
+  return total
+
+
+def flops(fn: Callable, *args) -> float:
+  compiled = jax.jit(fn).lower(*args).compile()
+  analysis = compiled.cost_analysis()
+  analysis = analysis[0] if isinstance(analysis, list) else analysis
+  return float(analysis["flops"]) + lapack_flops(compiled.as_text())
+
+
+def seconds(fn: Callable, *args, repeats: int = 20) -> float:
+  """Median seconds of one call of a jitted function."""
+  jitted = jax.jit(fn)
+  jax.block_until_ready(jitted(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(jitted(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def block_seconds(step: Callable, state, batch, block: int, blocks: int) -> float:
+  """Median over ``blocks`` of the mean step time within a block of ``block`` steps."""
+  state = step(*state, *batch)
+  jax.block_until_ready(state)
+  means = []
+  for _ in range(blocks):
+    start = time.perf_counter()
+    for _ in range(block):
+      state = step(*state, *batch)
+    jax.block_until_ready(state)
+    means.append((time.perf_counter() - start) / block)
+  return statistics.median(means)
+
+
+def bench_model(name: str, blocks: int) -> None:
+  model, shape = MODELS[name]
+  kx, ky, kp = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(kx, shape)
+  y = jax.random.randint(ky, (BATCH,), 0, 10)
+  params = model.init(kp, x)
+
+  def loss_fn(params, x, y):
+    return optax.softmax_cross_entropy_with_integer_labels(model.apply(params, x), y).mean()
+
+  sgd = optax.sgd(0.01, momentum=0.9)
+
+  def sgd_step(params, opt_state, x, y):
+    _, grads = jax.value_and_grad(loss_fn)(params, x, y)
+    updates, opt_state = sgd.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  sgd_state = (params, sgd.init(params))
+  t_sgd = block_seconds(jax.jit(sgd_step), sgd_state, (x, y), 100, blocks)
+  f_sgd = flops(sgd_step, *sgd_state, x, y)
+  grad_fn = kaisa_jax.value_and_grad(loss_fn)
+  layers = grad_fn.layers(params, x, y)
+
+  # Per-phase costs; they do not depend on the cadence but the plan may.
+  print(f"\n== {name}: SGD step {t_sgd * 1e3:.2f} ms, {f_sgd / 1e6:.1f} MFLOP ({REFERENCE[name]})")
+  print(
+    f"{'cadence':>9} {'K-FAC ms':>9} {'ratio':>7} {'FLOP ratio':>10} {'measured/FLOP':>13} |"
+    f" per phase, ms per call (amortised ms per step): capture, factors, decomposition, preconditioning"
+  )
+  for factor_steps, inv_steps in CADENCES:
+    kfac = kaisa_jax.kfac(
+      layers, factor_update_steps=factor_steps, inv_update_steps=inv_steps, lr=0.01
+    )
+    tx = optax.chain(kfac, optax.sgd(0.01, momentum=0.9))
+
+    def kfac_step(params, opt_state, x, y, tx=tx):
+      _, grads, curvature = grad_fn(params, x, y)
+      updates, opt_state = tx.update(grads, opt_state, params, curvature=curvature)
+      return optax.apply_updates(params, updates), opt_state
+
+    kfac_state = (params, tx.init(params))
+    t_kfac = block_seconds(jax.jit(kfac_step), kfac_state, (x, y), inv_steps, blocks)
+
+    plan, state = kfac.plan, kfac_state[1][0]
+    _, grads, curvature = grad_fn(params, x, y)
+    layer_grads = transform._layer_params(grads, plan, "updates")
+
+    def capture(params, x, y):
+      return grad_fn(params, x, y)
+
+    def plain_grad(params, x, y):
+      return jax.value_and_grad(loss_fn)(params, x, y)
+
+    def factors(state, curvature, plan=plan):
+      return transform.update_factors(
+        plan, state.factors, state.factor_total, curvature, DECAY, jnp.float32
+      )
+
+    def decomposition(state, plan=plan):
+      return transform.decompose_factors(plan, state.factors, DAMPING)
+
+    def precondition(layer_grads, state, plan=plan):
+      return transform.precondition_grads(
+        plan, layer_grads, state.decompositions, DAMPING, jnp.float32
+      )
+
+    state = state._replace(factors=jax.jit(factors)(state, curvature)[0])
+    phases = {
+      "capture": (
+        max(seconds(capture, params, x, y) - seconds(plain_grad, params, x, y), 0.0),
+        flops(capture, params, x, y) - flops(plain_grad, params, x, y),
+        1,
+      ),
+      "factors": (
+        seconds(factors, state, curvature),
+        flops(factors, state, curvature),
+        factor_steps,
+      ),
+      "decomposition": (seconds(decomposition, state), flops(decomposition, state), inv_steps),
+      "preconditioning": (
+        seconds(precondition, layer_grads, state),
+        flops(precondition, layer_grads, state),
+        1,
+      ),
+    }
+    f_kfac = f_sgd + sum(f / every for _, f, every in phases.values())
+    ratio, f_ratio = t_kfac / t_sgd, f_kfac / f_sgd
+    per_phase = ", ".join(
+      f"{t * 1e3:.2f} ({t * 1e3 / every:.2f})" for t, _, every in phases.values()
+    )
+    print(
+      f"{f'({factor_steps},{inv_steps})':>9} {t_kfac * 1e3:>9.2f} {ratio:>6.2f}x {f_ratio:>9.2f}x"
+      f" {ratio / f_ratio:>13.2f} | {per_phase}"
+    )
+  print(kfac.plan)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true", help="fewer timing blocks")
+  parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+  args = parser.parse_args()
+  print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, batch {BATCH}")
+  for name in args.models:
+    bench_model(name, blocks=3 if args.quick else 7)
+
+
+if __name__ == "__main__":
+  main()

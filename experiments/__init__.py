@@ -1,0 +1,1 @@
+"""Experiments: K-FAC against first-order optimizers on small real tasks."""

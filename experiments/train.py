@@ -1,0 +1,113 @@
+"""The training loop: one task, one optimizer, one seed; a record per evaluation."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import platform
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm.auto import tqdm
+
+import kaisa_jax
+from experiments.optimizers import Optimizer, build
+from experiments.tasks import Task
+
+
+def versions() -> dict[str, str]:
+  pkgs = ("jax", "jaxlib", "flax", "optax", "kaisa_jax")
+  out = {p: importlib.metadata.version(p) for p in pkgs}
+  out["python"] = platform.python_version()
+  return out
+
+
+def batches(n: int, batch_size: int, seed: int) -> Iterator[np.ndarray]:
+  """Indices of shuffled batches, epoch after epoch (the last partial batch is dropped)."""
+  rng = np.random.default_rng(seed)
+  while True:
+    order = rng.permutation(n)
+    for i in range(n // batch_size):
+      yield order[i * batch_size : (i + 1) * batch_size]
+
+
+def train(
+  task: Task,
+  opt: Optimizer,
+  steps: int,
+  seed: int = 0,
+  eval_every: int = 50,
+  out: Path | None = None,
+  progress: bool = True,
+) -> list[dict[str, Any]]:
+  """Trains and returns one record per evaluation (also written as JSON lines to ``out``).
+
+  ``wall_seconds`` counts training steps only (compilation and evaluation excluded).
+  """
+  x, y = (jnp.asarray(a) for a in task.train)
+  x_test, y_test = (jnp.asarray(a) for a in task.test)
+  params = task.model.init(jax.random.key(seed), x[:1])
+  grad_fn = kaisa_jax.value_and_grad(task.loss)
+  layers = None
+  if opt.name == "kfac":
+    layers = grad_fn.layers(params, x[: task.batch_size], y[: task.batch_size])
+  tx = build(opt, steps, layers)
+  opt_state = tx.init(params)
+
+  @jax.jit
+  def step(params, opt_state, xb, yb):
+    if layers is None:
+      loss, grads = jax.value_and_grad(task.loss)(params, xb, yb)
+      updates, opt_state = tx.update(grads, opt_state, params)
+    else:
+      loss, grads, curvature = grad_fn(params, xb, yb)
+      updates, opt_state = tx.update(grads, opt_state, params, curvature=curvature)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  @jax.jit
+  def evaluate(params):
+    return task.loss(params, x, y), task.metric(params, x_test, y_test)
+
+  config = {"task": task.name, "seed": seed, "steps": steps, "batch_size": task.batch_size}
+  config |= opt.config()
+  meta = {"config": config, "versions": versions()}
+  index = batches(len(task.train[0]), task.batch_size, seed)
+  first = next(index)
+  step.lower(params, opt_state, x[first], y[first]).compile()  # compile outside the clock
+  records: list[dict[str, Any]] = []
+  wall = 0.0
+  sink = out.open("w") if out is not None else None
+  bar = tqdm(total=steps, desc=f"{task.name}/{opt.name}/seed{seed}", disable=not progress)
+
+  def record(k: int) -> None:
+    loss, metric = (float(v) for v in evaluate(params))
+    rec = {"step": k, "wall_seconds": wall, "train_loss": loss, "metric": metric, **meta}
+    records.append(rec)
+    if sink is not None:
+      sink.write(json.dumps(rec) + "\n")
+    bar.set_postfix(loss=f"{loss:.4f}", metric=f"{metric:.4f}")
+
+  record(0)
+  idx = first
+  for k in range(1, steps + 1):
+    start = time.perf_counter()
+    params, opt_state, loss = step(params, opt_state, x[idx], y[idx])
+    loss.block_until_ready()
+    wall += time.perf_counter() - start
+    if not np.isfinite(float(loss)):
+      bar.close()
+      raise FloatingPointError(f"{opt.name} diverged at step {k} (loss {float(loss)})")
+    idx = next(index)
+    bar.update(1)
+    if k % eval_every == 0 or k == steps:
+      record(k)
+  bar.close()
+  if sink is not None:
+    sink.close()
+  return records
