@@ -5,6 +5,12 @@ from __future__ import annotations
 import os
 import sys
 
+# Tests run tiny programs: XLA's backend optimisations cost far more compile
+# time than they save. Set before JAX initialises its backend.
+os.environ["XLA_FLAGS"] = (
+  os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+).strip()
+
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -27,9 +33,9 @@ def one_update(loss_fn, params, *args, **kfac_kwargs):
   grad_fn = kaisa_jax.value_and_grad(loss_fn)
   layers = grad_fn.layers(params, *args)
   tx = kaisa_jax.kfac(layers, **{**EXACT, **kfac_kwargs})
-  state = tx.init(params)
-  _, grads, curvature = grad_fn(params, *args)
-  updates, state = tx.update(grads, state, params, curvature=curvature)
+  state = jax.jit(tx.init)(params)
+  _, grads, curvature = jax.jit(grad_fn)(params, *args)
+  updates, state = jax.jit(tx.update)(grads, state, params, curvature=curvature)
   return grads, curvature, tx, state, updates
 
 

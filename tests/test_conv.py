@@ -86,8 +86,9 @@ def test_conv_matches_explicit_patches_and_dense_solve(x64, case, method):
   conv = nn.Conv(param_dtype=jnp.float64, **kwargs)
   kx, kt, kp = jax.random.split(jax.random.key(3), 3)
   x = jax.random.normal(kx, input_shape, jnp.float64)
-  params = conv.init(kp, x)
-  out_shape = conv.apply(params, x).shape
+  params = jax.jit(conv.init)(kp, x)
+  out = jax.jit(conv.apply)(params, x)
+  out_shape = out.shape
   target = jax.random.normal(kt, out_shape, jnp.float64)
   batch = input_shape[0]
 
@@ -103,9 +104,7 @@ def test_conv_matches_explicit_patches_and_dense_solve(x64, case, method):
   groups = conv.feature_group_count
   bias = conv.use_bias
   patches = _reference_patches(np.asarray(x), conv)
-  g_rows = np.asarray(jax.grad(head)(conv.apply(params, x))).reshape(
-    -1, groups, out_shape[-1] // groups
-  )
+  g_rows = np.asarray(jax.jit(jax.grad(head))(out)).reshape(-1, groups, out_shape[-1] // groups)
   (factors,) = state.factors.values()
   p = grads["params"]
   v = ref.gradient_matrix(p["kernel"], p.get("bias"), groups)
