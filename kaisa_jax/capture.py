@@ -45,6 +45,7 @@ class LayerCurvature(NamedTuple):
 
 
 Curvature = dict[str, LayerCurvature]
+EXCLUDED = "excluded by a layer pattern"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +94,11 @@ class _Call:
   spec: layers_lib.LayerSpec | None
   out: jax.ShapeDtypeStruct
   rows: int
+
+
+def _trace_of(x: Any) -> Any:
+  """The JAX trace a traced value belongs to (``None`` for concrete arrays)."""
+  return getattr(x, "_trace", None)
 
 
 def _module_name(module: nn.Module) -> str:
@@ -168,7 +174,9 @@ def _trace(
   skipped: dict[str, Skipped] = {}
 
   def traced(params):
-    leaf_paths = {id(leaf): path for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    leaf_paths = {id(leaf): path for path, leaf in flat}
+    outer = _trace_of(flat[0][1]) if flat else None
 
     def interceptor(next_fun, call_args, call_kwargs, context):
       module = context.module
@@ -185,6 +193,11 @@ def _trace(
       spec = None
       if selection.selects(name):
         try:
+          if _trace_of(out) is not outer:
+            raise layers_lib.UnsupportedLayerError(
+              "applied inside a Flax lifted transformation (nn.scan, nn.remat, nn.vmap, ...),"
+              " which is not supported yet"
+            )
           spec = layers_lib.make_spec(
             module,
             name,
@@ -195,7 +208,7 @@ def _trace(
         except layers_lib.UnsupportedLayerError as e:
           skipped[name] = Skipped(name, type(module).__name__, str(e))
       elif name not in skipped:
-        skipped[name] = Skipped(name, type(module).__name__, "excluded by a layer pattern")
+        skipped[name] = Skipped(name, type(module).__name__, EXCLUDED)
       rows = int(np.prod(out.shape[:-1]))
       calls.append(_Call(name, spec, jax.ShapeDtypeStruct(out.shape, out.dtype), rows))
       return out
@@ -247,33 +260,39 @@ class ValueAndGrad:
   def __call__(self, params: Any, *args: Any, **kwargs: Any):
     registry, calls = _trace(self._fun, params, args, kwargs, self._selection)
     captured = {s.name for s in registry.specs}
-    perturbations = [
-      jnp.zeros(c.out.shape, c.out.dtype) if c.name in captured else None for c in calls
-    ]
+    outputs: dict[str, list[jax.ShapeDtypeStruct]] = {}
+    for c in calls:
+      if c.name in captured:
+        outputs.setdefault(c.name, []).append(c.out)
+    perturbations = {
+      name: [jnp.zeros(o.shape, o.dtype) for o in outs] for name, outs in outputs.items()
+    }
 
     def loss_with_perturbations(params, perturbations):
-      inputs: list[Any] = []
-      position = iter(range(len(calls)))
+      inputs: dict[str, list[Array]] = {name: [] for name in perturbations}
 
       def interceptor(next_fun, call_args, call_kwargs, context):
-        module = context.module
-        if layers_lib.layer_kind(module) is None or context.method_name != "__call__":
+        name = _module_name(context.module)
+        if name not in inputs or context.method_name != "__call__":
           return next_fun(*call_args, **call_kwargs)
-        i = next(position, len(calls))
-        if i >= len(calls) or calls[i].name != _module_name(module):
+        k = len(inputs[name])
+        if k >= len(perturbations[name]):
           raise RuntimeError(
-            "kaisa_jax: the loss function called its layers in a different order "
-            "than when it was traced; the loss must be a deterministic function."
+            f"kaisa_jax: layer {name!r} was called more often than when the loss was "
+            "traced; the loss must call its layers the same way every time."
           )
-        out = next_fun(*call_args, **call_kwargs)
-        if perturbations[i] is None:
-          inputs.append(None)
-          return out
-        inputs.append(call_args[0] if call_args else call_kwargs["inputs"])
-        return out + perturbations[i]
+        inputs[name].append(call_args[0] if call_args else call_kwargs["inputs"])
+        return next_fun(*call_args, **call_kwargs) + perturbations[name][k]
 
       with nn.intercept_methods(interceptor):
         result = self._fun(params, *args, **kwargs)
+      for name, seen in inputs.items():
+        if len(seen) != len(perturbations[name]):
+          raise RuntimeError(
+            f"kaisa_jax: layer {name!r} was called {len(seen)} times, but "
+            f"{len(perturbations[name])} times when the loss was traced; the loss must call "
+            "its layers the same way every time."
+          )
       loss, aux = result if self._has_aux else (result, None)
       return loss, (aux, inputs)
 
@@ -281,16 +300,14 @@ class ValueAndGrad:
       loss_with_perturbations, argnums=(0, 1), has_aux=True
     )(params, perturbations)
 
-    spec_of = {s.name: s for s in registry.specs}
     curvature: dict[str, LayerCurvature] = {}
-    for c, a, g in zip(calls, inputs, out_grads, strict=True):
-      if g is None:
-        continue
-      n = self._n_examples or layers_lib.default_examples(spec_of[c.name], a)
-      entry = curvature.get(c.name, LayerCurvature((), (), ()))
-      curvature[c.name] = LayerCurvature(
-        (*entry.a, a), (*entry.g, g), (*entry.n, jnp.asarray(n, jnp.float32))
+    for spec in registry.specs:
+      a, g = tuple(inputs[spec.name]), tuple(out_grads[spec.name])
+      n = tuple(
+        jnp.asarray(self._n_examples or layers_lib.default_examples(spec, x), jnp.float32)
+        for x in a
       )
+      curvature[spec.name] = LayerCurvature(a, g, n)
     value = (loss, aux) if self._has_aux else loss
     return value, grads, curvature
 

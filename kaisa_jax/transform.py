@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -28,7 +29,7 @@ import optax
 from kaisa_jax import cost, preconditioning
 from kaisa_jax import factors as factors_lib
 from kaisa_jax import layers as layers_lib
-from kaisa_jax.capture import Curvature, Layers
+from kaisa_jax.capture import EXCLUDED, Curvature, Layers, Skipped
 
 Array = jax.Array
 ScalarOrSchedule = float | Callable[[Array], Any]
@@ -71,7 +72,7 @@ class Plan:
   """Every layer with the treatment it gets, and what is not preconditioned."""
 
   layers: tuple[tuple[layers_lib.LayerSpec, cost.Treatment], ...]
-  skipped: tuple[Any, ...]
+  skipped: tuple[Skipped, ...]
   inv_update_steps: int
 
   def __str__(self) -> str:
@@ -354,6 +355,14 @@ def kfac(
   if max_cost_ratio is not None:
     _check_hyperparameter("max_cost_ratio", max_cost_ratio, 0.0)
   plan = _make_plan(layers, compute_method, inv_steps_at_zero, max_cost_ratio)
+  unsupported = [k for k in layers.skipped if k.reason != EXCLUDED]
+  if unsupported:
+    warnings.warn(
+      f"kaisa_jax: {len(unsupported)} module(s) with parameters will not be preconditioned "
+      "(their gradients pass through unchanged): "
+      + ", ".join(f"{k.name} ({k.module_type}: {k.reason})" for k in unsupported),
+      stacklevel=2,
+    )
   dec_dtype = preconditioning.decomposition_dtype(factor_dtype)
 
   def init_fn(params: Any) -> KFACState:

@@ -179,3 +179,42 @@ def test_n_examples_override_scales_g_factor():
     states.append(tx.update(grads, tx.init(params), params, curvature=curvature)[1])
   g_default, g_tokens = (s.factors["Dense"].g[0] for s in states)
   np.testing.assert_allclose(g_tokens, 3.0 * g_default, rtol=1e-5)
+
+
+def test_layers_inside_lifted_transforms_are_reported_not_captured():
+  class Body(nn.Module):
+    @nn.compact
+    def __call__(self, c, _):
+      return nn.tanh(nn.Dense(5)(c)), None
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.remat(nn.Dense)(5)(x)
+      scan = nn.scan(Body, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)
+      x, _ = scan()(x, None)
+      return nn.Dense(2)(x)
+
+  model = Model()
+  x = jnp.ones((3, 5))
+  params = model.init(jax.random.key(0), x)
+
+  def loss_fn(params, x):
+    return jnp.sum(model.apply(params, x) ** 2)
+
+  grad_fn = kaisa_jax.value_and_grad(loss_fn)
+  layers = grad_fn.layers(params, x)
+  assert [s.name for s in layers.specs] == ["Dense_0"]
+  reasons = {k.name: k.reason for k in layers.skipped}
+  assert "lifted transformation" in reasons["CheckpointDense_0"]
+  assert "lifted transformation" in reasons["ScanBody_0/Dense_0"]
+  with pytest.warns(
+    UserWarning, match="2 module\\(s\\) with parameters will not be preconditioned"
+  ):
+    tx = kaisa_jax.kfac(layers, kl_clip=None)
+  _, grads, curvature = jax.jit(grad_fn)(params, x)
+  updates, _ = tx.update(grads, tx.init(params), params, curvature=curvature)
+  np.testing.assert_array_equal(
+    updates["params"]["ScanBody_0"]["Dense_0"]["kernel"],
+    grads["params"]["ScanBody_0"]["Dense_0"]["kernel"],
+  )
