@@ -21,8 +21,10 @@ from __future__ import annotations
 import argparse
 import re
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import flax.linen as nn
 import jax
@@ -32,6 +34,9 @@ import optax
 
 import kaisa_jax
 from kaisa_jax import transform
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from experiments.tasks import MNIST1DCNN
 
 # Ratios measured on this machine (2 CPU cores) for the KAISA reference
 # (kfac-pytorch) and kfac-jax, quoted for comparison.
@@ -59,14 +64,6 @@ class SmallCNN(nn.Module):
     for features in (32, 64, 64):
       x = nn.relu(nn.Conv(features, (3, 3))(x))
       x = nn.avg_pool(x, (2, 2), (2, 2))
-    return nn.Dense(10)(x.reshape(x.shape[0], -1))
-
-
-class MNIST1DCNN(nn.Module):
-  @nn.compact
-  def __call__(self, x):
-    for _ in range(3):
-      x = nn.relu(nn.Conv(32, (5,))(x))
     return nn.Dense(10)(x.reshape(x.shape[0], -1))
 
 
