@@ -33,7 +33,7 @@ import numpy as np
 import optax
 
 import kaisa_jax
-from kaisa_jax import transform
+from kaisa_jax import distribution, transform
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from experiments.tasks import MNIST1DCNN
@@ -48,6 +48,7 @@ REFERENCE = {
 CADENCES = ((1, 10), (10, 100))
 BATCH = 128
 DAMPING, DECAY = jnp.float32(1e-2), jnp.float32(0.95)
+SINGLE = distribution.Collectives("single", 1, 1)
 
 
 class MLP(nn.Module):
@@ -176,15 +177,15 @@ def bench_model(name: str, blocks: int) -> None:
 
     def factors(state, curvature, plan=plan):
       return transform.update_factors(
-        plan, state.factors, state.factor_total, curvature, DECAY, jnp.float32
+        plan, state.factors, state.factor_total, curvature, DECAY, jnp.float32, SINGLE
       )
 
     def decomposition(state, plan=plan):
-      return transform.decompose_factors(plan, state.factors, DAMPING)
+      return transform.decompose_factors(plan, state.factors, DAMPING, SINGLE)
 
     def precondition(layer_grads, state, plan=plan):
       return transform.precondition_grads(
-        plan, layer_grads, state.decompositions, DAMPING, jnp.float32
+        plan, layer_grads, state.decompositions, DAMPING, jnp.float32, SINGLE
       )
 
     state = state._replace(factors=jax.jit(factors)(state, curvature)[0])

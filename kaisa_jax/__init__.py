@@ -7,19 +7,39 @@ The public API::
   tx = optax.chain(kaisa_jax.kfac(layers, lr=0.1), optax.sgd(0.1, momentum=0.9))
   loss, grads, curvature = grad_fn(params, batch)
   updates, opt_state = tx.update(grads, opt_state, params, curvature=curvature)
+
+Distributed: ``mesh = kaisa_jax.make_mesh("hybrid_opt")`` and
+``kaisa_jax.kfac(layers, mesh=mesh, ...)`` under ``jax.shard_map``, or
+``kaisa_jax.kfac(layers, axis_name="batch", grad_worker_fraction=...)`` under
+``jax.pmap``.
 """
 
 from kaisa_jax.capture import LayerCurvature, Layers, ValueAndGrad, value_and_grad
-from kaisa_jax.transform import KFAC, KFACState, Plan, kfac
+from kaisa_jax.distribution import GRAD_WORKERS, RECEIVERS, make_mesh
+from kaisa_jax.transform import (
+  KFAC,
+  KFACState,
+  Plan,
+  kfac,
+  layer_decompositions,
+  layer_factors,
+  partition_specs,
+)
 
 __all__ = [
+  "GRAD_WORKERS",
   "KFAC",
+  "RECEIVERS",
   "KFACState",
   "LayerCurvature",
   "Layers",
   "Plan",
   "ValueAndGrad",
   "kfac",
+  "layer_decompositions",
+  "layer_factors",
+  "make_mesh",
+  "partition_specs",
   "value_and_grad",
 ]
 __version__ = "0.1.0"

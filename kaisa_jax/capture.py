@@ -94,6 +94,13 @@ class _Call:
   spec: layers_lib.LayerSpec | None
   out: jax.ShapeDtypeStruct
   rows: int
+  varying: tuple[str, ...]
+
+
+def _varying_axes(x: Any) -> tuple[str, ...]:
+  """The ``shard_map`` axes a traced value varies over (empty outside ``shard_map``)."""
+  manual = getattr(jax.typeof(x), "mat", None)
+  return tuple(sorted(getattr(manual, "varying", ())))
 
 
 def _trace_of(x: Any) -> Any:
@@ -210,7 +217,9 @@ def _trace(
       elif name not in skipped:
         skipped[name] = Skipped(name, type(module).__name__, EXCLUDED)
       rows = int(np.prod(out.shape[:-1]))
-      calls.append(_Call(name, spec, jax.ShapeDtypeStruct(out.shape, out.dtype), rows))
+      calls.append(
+        _Call(name, spec, jax.ShapeDtypeStruct(out.shape, out.dtype), rows, _varying_axes(out))
+      )
       return out
 
     with nn.intercept_methods(interceptor):
@@ -260,13 +269,16 @@ class ValueAndGrad:
   def __call__(self, params: Any, *args: Any, **kwargs: Any):
     registry, calls = _trace(self._fun, params, args, kwargs, self._selection)
     captured = {s.name for s in registry.specs}
-    outputs: dict[str, list[jax.ShapeDtypeStruct]] = {}
+    # Zero perturbations of the layer outputs. Under shard_map they must vary over
+    # the same axes as the outputs: the gradient of an unvarying input would be
+    # summed over the devices.
+    perturbations: dict[str, list[Array]] = {}
     for c in calls:
       if c.name in captured:
-        outputs.setdefault(c.name, []).append(c.out)
-    perturbations = {
-      name: [jnp.zeros(o.shape, o.dtype) for o in outs] for name, outs in outputs.items()
-    }
+        zero = jnp.zeros(c.out.shape, c.out.dtype)
+        if c.varying:
+          zero = jax.lax.pcast(zero, c.varying, to="varying")
+        perturbations.setdefault(c.name, []).append(zero)
 
     def loss_with_perturbations(params, perturbations):
       inputs: dict[str, list[Array]] = {name: [] for name in perturbations}

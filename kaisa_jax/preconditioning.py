@@ -56,17 +56,8 @@ def decomposition_dtype(factor_dtype: Any) -> Any:
   return jnp.promote_types(factor_dtype, jnp.float32)
 
 
-def initial(dim: int, groups: int, method: str, diagonal: bool, dtype: Any) -> Decomposition:
-  """The decomposition of a zero factor (identity basis, zero eigenvalues)."""
-  eye = jnp.broadcast_to(jnp.eye(dim, dtype=dtype), (groups, dim, dim))
-  zeros = jnp.zeros((groups, dim), dtype)
-  if diagonal:
-    return Decomposition(None, zeros)
-  return Decomposition(eye, zeros if method == EIGEN else None)
-
-
 def decompose(factor: Array, method: str, diagonal: bool, damping: Array) -> Decomposition:
-  """Decomposes one factor (``(groups, d, d)``, or ``(groups, d)`` if diagonal)."""
+  """Decomposes a batch of factors (``(..., d, d)``, or ``(..., d)`` if diagonal)."""
   dtype = decomposition_dtype(factor.dtype)
   factor = factor.astype(dtype)
   if diagonal:
@@ -85,34 +76,34 @@ def decompose(factor: Array, method: str, diagonal: bool, damping: Array) -> Dec
 
 def _rotate_in(v: Array, a: Decomposition, g: Decomposition) -> Array:
   if a.basis is not None:
-    v = jnp.einsum("gij,gik->gjk", a.basis, v, precision=HIGHEST)
+    v = jnp.einsum("...ij,...ik->...jk", a.basis, v, precision=HIGHEST)
   if g.basis is not None:
-    v = jnp.einsum("gij,gjk->gik", v, g.basis, precision=HIGHEST)
+    v = jnp.einsum("...ij,...jk->...ik", v, g.basis, precision=HIGHEST)
   return v
 
 
 def _rotate_out(v: Array, a: Decomposition, g: Decomposition) -> Array:
   if a.basis is not None:
-    v = jnp.einsum("gij,gjk->gik", a.basis, v, precision=HIGHEST)
+    v = jnp.einsum("...ij,...jk->...ik", a.basis, v, precision=HIGHEST)
   if g.basis is not None:
-    v = jnp.einsum("gij,gkj->gik", v, g.basis, precision=HIGHEST)
+    v = jnp.einsum("...ij,...kj->...ik", v, g.basis, precision=HIGHEST)
   return v
 
 
 def precondition(
   v: Array, a: Decomposition, g: Decomposition, method: str, damping: Array
 ) -> Array:
-  """The preconditioned gradient of one layer, ``v`` of shape ``(groups, a_dim, g_dim)``."""
+  """Preconditioned gradients, ``v`` of shape ``(..., a_dim, g_dim)`` batched like the factors."""
   if method == EIGEN:
-    scale = a.values[:, :, None] * g.values[:, None, :] + damping
+    scale = a.values[..., :, None] * g.values[..., None, :] + damping
     return _rotate_out(_rotate_in(v, a, g) / scale, a, g)
   if a.basis is not None:
-    v = jnp.einsum("gij,gjk->gik", a.basis, v, precision=HIGHEST)
+    v = jnp.einsum("...ij,...jk->...ik", a.basis, v, precision=HIGHEST)
   else:
-    v = v * a.values[:, :, None]
+    v = v * a.values[..., :, None]
   if g.basis is not None:
-    return jnp.einsum("gij,gjk->gik", v, g.basis, precision=HIGHEST)
-  return v * g.values[:, None, :]
+    return jnp.einsum("...ij,...jk->...ik", v, g.basis, precision=HIGHEST)
+  return v * g.values[..., None, :]
 
 
 def kl_clip_scale(vg_sum: Array, kl_clip: Array, lr: Array) -> Array:

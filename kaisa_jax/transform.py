@@ -1,93 +1,103 @@
-"""The Optax transformation: K-FAC preconditioning of a gradient.
+"""The Optax transformation: K-FAC preconditioning of a gradient, optionally distributed.
 
 Each step, with ``k`` the step count kept in the state:
 
 1. if ``k % factor_update_steps == 0``: the factors of the current batch
-   update the running averages (`kaisa_jax.factors`);
-2. if ``k % inv_update_steps == 0``: the factors are decomposed again
-   (`kaisa_jax.preconditioning`); in between the last decompositions are used;
-3. every step: each layer's gradient ``V`` becomes ``P = (A (x) G + damping)^-1 V``
-   and all of them are scaled by the KL clip ``nu``.
+   update the running averages (`kaisa_jax.factors`); each layer's factors are
+   reduced over the data-parallel devices onto the one device that owns it;
+2. if ``k % inv_update_steps == 0``: every device decomposes the factors it
+   owns (`kaisa_jax.preconditioning`) and shares them within its grad-worker
+   group; in between the last decompositions are used;
+3. every step: each group preconditions its layers' gradients,
+   ``P = (A (x) G + damping)^-1 V``, shares them with the other groups, and all
+   of them are scaled by the KL clip ``nu``.
 
 Steps 1 and 2 sit under `jax.lax.cond`: work that a step skips is not executed,
-and one compiled step serves every step.
+and one compiled step serves every step. The state is stored in slots (see
+`kaisa_jax.assignment`): on one device, one slot per layer.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import warnings
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from kaisa_jax import cost, preconditioning
+from kaisa_jax import assignment, cost, distribution, preconditioning
 from kaisa_jax import factors as factors_lib
+from kaisa_jax import hyperparameters as hp
 from kaisa_jax import layers as layers_lib
 from kaisa_jax.capture import EXCLUDED, Curvature, Layers, Skipped
 
 Array = jax.Array
-ScalarOrSchedule = float | Callable[[Array], Any]
-IntOrSchedule = int | Callable[[Array], Any]
 
-
-class LayerFactors(NamedTuple):
-  """Running averages of one layer's factors (a diagonal side is a vector)."""
-
-  a: Array
-  g: Array
-
-
-class LayerDecompositions(NamedTuple):
-  """The decompositions of one layer's two factors."""
-
-  a: preconditioning.Decomposition
-  g: preconditioning.Decomposition
+FACTOR_REDUCTION = "kaisa_factor_reduction"
+DECOMPOSITION_SHARING = "kaisa_decomposition_sharing"
+GRADIENT_SHARING = "kaisa_gradient_sharing"
 
 
 class KFACState(NamedTuple):
-  """State of `kfac`.
+  """State of `kfac`, as one device sees it.
 
   Attributes:
     count: steps taken (int32).
     factor_total: ``W``, the total weight of the bias-corrected running
       average of the factors (0 before the first factor update).
-    factors: per layer name, the running averages of ``A`` and ``G``.
-    decompositions: per layer name, the latest decompositions.
+    factors: ``(1, 1, F)``: the running averages of the factors this device
+      owns, flattened in plan order (`kaisa_jax.layer_factors` unpacks them).
+    decompositions: ``(1, W, D)``: the latest decompositions of the factors of
+      every member of this device's grad-worker group.
+
+  Under ``shard_map`` the global arrays are ``(N / W, W, ...)``: factors split
+  over both mesh axes, decompositions over the receivers axis.
   """
 
   count: Array
   factor_total: Array
-  factors: dict[str, LayerFactors]
-  decompositions: dict[str, LayerDecompositions]
+  factors: Array
+  decompositions: Array
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """Every layer with the treatment it gets, and what is not preconditioned."""
+  """Every layer with its treatment and its place, and what is not preconditioned."""
 
   layers: tuple[tuple[layers_lib.LayerSpec, cost.Treatment], ...]
   skipped: tuple[Skipped, ...]
+  layout: assignment.Layout
   inv_update_steps: int
 
   def __str__(self) -> str:
-    lines = [f"{'layer':<28} {'kind':<6} {'A':>14} {'G':>14}  {'treatment':<22} {'cost/layer':>10}"]
-    for spec, t in self.layers:
+    lines = [
+      f"{'layer':<28} {'kind':<6} {'A':>12} {'G':>12}  {'treatment':<22} {'cost/layer':>10}"
+      f" {'group':>5} {'worker':>6}"
+    ]
+    for (spec, t), (row, col) in zip(self.layers, self.layout.owners, strict=True):
       sides = []
       for dim, diag in zip((spec.a_dim, spec.g_dim), t.diagonal, strict=True):
         shape = f"{dim}" if diag else f"{dim}x{dim}"
         sides.append(f"{spec.groups}x{shape}" if spec.groups > 1 else shape)
       ratio = cost.step_cost_ratio(spec, t, self.inv_update_steps)
       lines.append(
-        f"{spec.name:<28} {spec.kind:<6} {sides[0]:>14} {sides[1]:>14}  {t!s:<22} {ratio:>9.2f}x"
+        f"{spec.name:<28} {spec.kind:<6} {sides[0]:>12} {sides[1]:>12}  {t!s:<22}"
+        f" {ratio:>9.2f}x {row:>5} {col:>6}"
       )
     for k in self.skipped:
       lines.append(f"{k.name:<28} not preconditioned ({k.module_type}): {k.reason}")
+    layout = self.layout
+    real = sum(assignment.size(assignment.factor_shapes(s, t)) for s, t in self.layers)
+    slack = layout.devices * layout.factor_size / max(real, 1) - 1
+    lines.append(
+      f"{layout.rows} group(s) x {layout.cols} grad worker(s), assignment by "
+      f"{layout.cost_kind} cost; factor buffer {layout.factor_size} elements per device "
+      f"({100 * slack:.0f}% balance slack)"
+    )
     return "\n".join(lines)
 
 
@@ -95,61 +105,6 @@ class KFAC(optax.GradientTransformationExtraArgs):
   """The transformation returned by `kfac`; ``plan`` lists what it does per layer."""
 
   plan: Plan
-
-
-def _check_scalar(name: str, value: Any, low: float, high: float, closed_high: bool) -> None:
-  if isinstance(value, bool) or not isinstance(value, numbers.Real | np.ndarray | jax.Array):
-    raise TypeError(f"{name} must be a real number or a schedule, got {value!r}")
-  if np.ndim(value) != 0:
-    raise TypeError(f"{name} must be a scalar, got shape {np.shape(value)}")
-  v = float(value)
-  inside = low <= v and (v <= high if closed_high else v < high)
-  if not inside:
-    bound = "]" if closed_high else ")"
-    raise ValueError(f"{name} must lie in [{low}, {high}{bound}, got {v}")
-
-
-def _check_hyperparameter(
-  name: str, value: Any, low: float, high: float = float("inf"), closed_high: bool = False
-) -> None:
-  """Checks a float or schedule; a schedule is checked at step 0."""
-  if callable(value):
-    try:
-      at_zero = value(jnp.asarray(0, jnp.int32))
-    except Exception as e:
-      raise TypeError(f"schedule {name} failed at step 0: {e}") from e
-    _check_scalar(f"{name}(0)", at_zero, low, high, closed_high)
-  else:
-    _check_scalar(name, value, low, high, closed_high)
-
-
-def _check_steps(name: str, value: Any) -> int:
-  """Checks a step count or its schedule; returns its value at step 0."""
-  at_zero = value(jnp.asarray(0, jnp.int32)) if callable(value) else value
-  label = f"{name}(0)" if callable(value) else name
-  if isinstance(at_zero, bool) or not isinstance(
-    at_zero, numbers.Integral | np.ndarray | jax.Array
-  ):
-    raise TypeError(f"{label} must be a positive int, got {at_zero!r}")
-  if np.ndim(at_zero) != 0 or not np.issubdtype(np.asarray(at_zero).dtype, np.integer):
-    raise TypeError(f"{label} must be a positive int, got {at_zero!r}")
-  if int(at_zero) < 1:
-    raise ValueError(f"{label} must be at least 1, got {int(at_zero)}")
-  return int(at_zero)
-
-
-def _at(value: Any, step: Array, dtype: Any = jnp.float32) -> Array:
-  return jnp.asarray(value(step) if callable(value) else value, dtype)
-
-
-def _make_plan(
-  layers: Layers, method: str, inv_update_steps: int, max_cost_ratio: float | None
-) -> Plan:
-  treated = tuple(
-    (spec, cost.choose_treatment(spec, method, inv_update_steps, max_cost_ratio))
-    for spec in layers.specs
-  )
-  return Plan(treated, layers.skipped, inv_update_steps)
 
 
 def _layer_params(tree: Any, plan: Plan, what: str) -> dict[str, dict[str, Array]]:
@@ -213,84 +168,199 @@ def _check_curvature(curvature: Any, plan: Plan) -> None:
         )
 
 
-def _initial_factors(spec: layers_lib.LayerSpec, t: cost.Treatment, dtype: Any) -> LayerFactors:
-  shapes = [
-    (spec.groups, d) if diag else (spec.groups, d, d)
-    for d, diag in zip((spec.a_dim, spec.g_dim), t.diagonal, strict=True)
-  ]
-  return LayerFactors(*(jnp.zeros(s, dtype) for s in shapes))
+def _decomposition_arrays(dec: preconditioning.Decomposition) -> list[Array]:
+  return [x for x in dec if x is not None]
+
+
+def _as_decomposition(
+  arrays: list[Array], method: str, diagonal: bool
+) -> preconditioning.Decomposition:
+  if diagonal:
+    return preconditioning.Decomposition(None, arrays[0])
+  if method == preconditioning.EIGEN:
+    return preconditioning.Decomposition(arrays[0], arrays[1])
+  return preconditioning.Decomposition(arrays[0], None)
+
+
+def _switch(index: Array, branches: list, *operands):
+  """`jax.lax.switch`, or the only branch when there is one."""
+  if len(branches) == 1:
+    return branches[0](*operands)
+  return jax.lax.switch(index, branches, *operands)
 
 
 def update_factors(
   plan: Plan,
-  factors: dict[str, LayerFactors],
+  factors: Array,
   total: Array,
   curvature: Curvature,
   decay: Array,
   dtype: Any,
-) -> tuple[dict[str, LayerFactors], Array]:
-  """Phase 1: folds the current batch's factors into the running averages."""
+  comm: distribution.Collectives,
+) -> tuple[Array, Array]:
+  """Phase 1: folds the current batch's factors into the running averages.
+
+  Every device computes the batch factors of every layer from its own rows;
+  their mean over devices lands on the layer's owner only (one reduce-scatter).
+  """
+  layout = plan.layout
   weight, total = factors_lib.average_weight(total, decay)
-  weight = weight.astype(dtype)
-  out = {}
-  for spec, t in plan.layers:
-    batch = factors_lib.batch_factors(spec, curvature[spec.name], t.diagonal, dtype)
-    out[spec.name] = LayerFactors(
-      *(
-        factors_lib.running_average(old, new, weight)
-        for old, new in zip(factors[spec.name], batch, strict=True)
-      )
+  batch = [
+    factors_lib.batch_factors(spec, curvature[spec.name], t.diagonal, dtype)
+    for spec, t in plan.layers
+  ]
+  send = [
+    distribution.flatten_into(
+      [x for i in layout.owned(r, c) for x in batch[i]], layout.factor_size, dtype
     )
-  return out, total
+    for r in range(layout.rows)
+    for c in range(layout.cols)
+  ]
+  send = jnp.stack(send).reshape(layout.rows, layout.cols, layout.factor_size)
+  with jax.named_scope(FACTOR_REDUCTION):
+    mine = comm.reduce_to_owners(send) / comm.size
+  return factors_lib.running_average(factors, mine, weight.astype(dtype)), total
 
 
 def decompose_factors(
-  plan: Plan, factors: dict[str, LayerFactors], damping: Array
-) -> dict[str, LayerDecompositions]:
-  """Phase 2: decomposes every factor."""
-  return {
-    spec.name: LayerDecompositions(
-      *(
-        preconditioning.decompose(f, t.method, diag, damping)
-        for f, diag in zip(factors[spec.name], t.diagonal, strict=True)
-      )
-    )
-    for spec, t in plan.layers
-  }
+  plan: Plan, factors: Array, damping: Array, comm: distribution.Collectives
+) -> Array:
+  """Phase 2: each device decomposes the factors it owns; its group receives them."""
+  layout = plan.layout
+  dtype = preconditioning.decomposition_dtype(factors.dtype)
+
+  def branch(row: int, col: int):
+    def decompose(factors):
+      owned = layout.owned(row, col)
+      shapes = [x for i in owned for x in assignment.factor_shapes(*plan.layers[i])]
+      parts = iter(distribution.split(factors[0, 0], shapes))
+      out = []
+      for i in owned:
+        t = plan.layers[i][1]
+        for diag in t.diagonal:
+          dec = preconditioning.decompose(next(parts), t.method, diag, damping)
+          out += _decomposition_arrays(dec)
+      flat = distribution.flatten_into(out, layout.decomposition_size, dtype)
+      return comm.vary(flat[None, None], over_group=True)
+
+    return decompose
+
+  branches = [branch(r, c) for r in range(layout.rows) for c in range(layout.cols)]
+  mine = _switch(comm.index(), branches, factors)
+  with jax.named_scope(DECOMPOSITION_SHARING):
+    return comm.gather_group(mine)
 
 
 def precondition_grads(
   plan: Plan,
   grads: dict[str, dict[str, Array]],
-  decompositions: dict[str, LayerDecompositions],
+  decompositions: Array,
   damping: Array,
   dtype: Any,
+  comm: distribution.Collectives,
 ) -> tuple[dict[str, Array], Array]:
-  """Phase 3: each layer's preconditioned gradient matrix, and ``sum <P, V>``."""
+  """Phase 3: each layer's preconditioned gradient matrix, and ``sum <P, V>``.
+
+  Each group preconditions its own layers; the other groups receive them (one
+  all-gather).
+  """
+  layout = plan.layout
+  matrices = [layers_lib.to_matrix(spec, grads[spec.name], dtype) for spec, _ in plan.layers]
+
+  def branch(row: int):
+    def precondition(decompositions):
+      out = []
+      for col in range(layout.cols):
+        owned = layout.owned(row, col)
+        shapes = [
+          x
+          for i in owned
+          for side in assignment.decomposition_shapes(*plan.layers[i])
+          for x in side
+        ]
+        parts = iter(distribution.split(decompositions[0, col], shapes))
+        for i in owned:
+          spec, t = plan.layers[i]
+          decs = [
+            _as_decomposition([next(parts) for _ in side], t.method, diag)
+            for side, diag in zip(assignment.decomposition_shapes(spec, t), t.diagonal, strict=True)
+          ]
+          out.append(preconditioning.precondition(matrices[i], *decs, t.method, damping))
+      flat = distribution.flatten_into(out, layout.gradient_size, dtype)
+      return comm.vary(flat[None], over_group=False)
+
+    return precondition
+
+  row, _ = comm.position()
+  mine = _switch(row, [branch(r) for r in range(layout.rows)], decompositions)
+  with jax.named_scope(GRADIENT_SHARING):
+    everyone = comm.gather_receivers(mine)
   out, vg_sum = {}, jnp.zeros([], dtype)
-  for spec, t in plan.layers:
-    v = layers_lib.to_matrix(spec, grads[spec.name], dtype)
-    dec = decompositions[spec.name]
-    p = preconditioning.precondition(v, dec.a, dec.g, t.method, damping)
-    vg_sum = vg_sum + jnp.sum(p * v)
-    out[spec.name] = p
+  for r in range(layout.rows):
+    group = layout.group(r)
+    for i, p in zip(
+      group, distribution.split(everyone[r], [matrices[i].shape for i in group]), strict=True
+    ):
+      vg_sum = vg_sum + jnp.sum(p * matrices[i])
+      out[plan.layers[i][0].name] = p
   return out, vg_sum
+
+
+def _collectives(
+  grad_worker_fraction: float | str | None,
+  mesh: Mesh | None,
+  axis_name: str | None,
+  axis_size: int | None,
+) -> distribution.Collectives:
+  if mesh is not None and axis_name is not None:
+    raise ValueError("pass mesh= (for shard_map) or axis_name= (for pmap), not both")
+  if axis_size is not None and axis_name is None:
+    raise ValueError("axis_size goes with axis_name (pmap)")
+  if grad_worker_fraction is not None:
+    distribution.check_fraction(grad_worker_fraction)
+  if mesh is not None:
+    if tuple(mesh.axis_names) != (distribution.RECEIVERS, distribution.GRAD_WORKERS):
+      raise ValueError(
+        f"mesh must have axes {(distribution.RECEIVERS, distribution.GRAD_WORKERS)}; "
+        f"make it with kaisa_jax.make_mesh, got {mesh.axis_names}"
+      )
+    rows, cols = mesh.devices.shape
+    if grad_worker_fraction is not None:
+      w = distribution.grad_workers(grad_worker_fraction, mesh.size)
+      if w != cols:
+        raise ValueError(
+          f"grad_worker_fraction={grad_worker_fraction!r} means {w} grad workers, but the "
+          f"mesh has {cols}; leave grad_worker_fraction out to use the mesh's"
+        )
+    return distribution.Collectives("shard_map", rows, cols)
+  if axis_name is not None:
+    n = jax.device_count() if axis_size is None else axis_size
+    if not isinstance(n, int) or n < 1:
+      raise ValueError(f"axis_size must be a positive int, got {axis_size!r}")
+    w = distribution.grad_workers(grad_worker_fraction or "comm_opt", n)
+    return distribution.Collectives("pmap", n // w, w, axis_name)
+  return distribution.Collectives("single", 1, 1)
 
 
 def kfac(
   layers: Layers,
   *,
-  damping: ScalarOrSchedule = 1e-2,
-  factor_decay: ScalarOrSchedule = 0.95,
-  factor_update_steps: IntOrSchedule = 10,
-  inv_update_steps: IntOrSchedule = 100,
-  kl_clip: ScalarOrSchedule | None = 1e-3,
-  lr: ScalarOrSchedule | None = None,
+  damping: hp.ScalarOrSchedule = 1e-2,
+  factor_decay: hp.ScalarOrSchedule = 0.95,
+  factor_update_steps: hp.IntOrSchedule = 10,
+  inv_update_steps: hp.IntOrSchedule = 100,
+  kl_clip: hp.ScalarOrSchedule | None = 1e-3,
+  lr: hp.ScalarOrSchedule | None = None,
   compute_method: str = preconditioning.EIGEN,
   factor_dtype: Any = jnp.float32,
   max_cost_ratio: float | None = 4.0,
+  grad_worker_fraction: float | str | None = None,
+  mesh: Mesh | None = None,
+  axis_name: str | None = None,
+  axis_size: int | None = None,
+  assignment_cost: str = assignment.COMPUTE,
 ) -> KFAC:
-  """K-FAC preconditioning as an Optax transformation.
+  """K-FAC preconditioning as an Optax transformation, distributed as KAISA.
 
   Turns the gradient of every captured layer into
   ``nu * (A (x) G + damping I)^-1 vec(grad)`` and passes every other gradient
@@ -320,13 +390,27 @@ def kfac(
       would cost more than this many times its own forward and backward pass
       gets a cheaper treatment (inverse method, then diagonal sides); see
       `kaisa_jax.cost`. ``None`` keeps ``compute_method`` everywhere.
+    grad_worker_fraction: KAISA's ``f``: ``W = f N`` of the ``N`` data-parallel
+      devices form a grad-worker group. A number in ``(0, 1]`` with ``f N`` an
+      integer dividing ``N``, or ``"comm_opt"`` (1, the default),
+      ``"hybrid_opt"`` (1/2) or ``"mem_opt"`` (``1/N``). With ``mesh=`` it
+      defaults to the mesh's. No effect on a single device.
+    mesh: for a train step under ``jax.shard_map``: the mesh from
+      `kaisa_jax.make_mesh`. ``init`` then returns the state sharded over it
+      (``kaisa_jax.partition_specs`` gives the specs for ``shard_map``).
+    axis_name: for a train step under ``jax.pmap``: the pmapped axis name.
+      ``init`` returns one device's state; replicate it over the devices.
+    axis_size: the number of devices the pmapped axis spans (default: all,
+      ``jax.device_count()``).
+    assignment_cost: ``"compute"`` (``n^3``) or ``"memory"`` (``n^2``), the cost
+      by which layers are assigned to devices.
 
-  Every hyperparameter but ``compute_method``, ``factor_dtype`` and
-  ``max_cost_ratio`` may be an Optax schedule (a function of the step count).
+  Every hyperparameter but ``compute_method``, ``factor_dtype``,
+  ``max_cost_ratio`` and the distribution arguments may be an Optax schedule.
 
   Returns:
     A `KFAC` transformation (an ``optax.GradientTransformationExtraArgs``);
-    ``print(tx.plan)`` lists each layer's factor shapes and treatment.
+    ``print(tx.plan)`` lists each layer's factor shapes, treatment and device.
   """
   if not isinstance(layers, Layers):
     raise TypeError(
@@ -334,18 +418,18 @@ def kfac(
       "kaisa_jax.value_and_grad(loss_fn); kaisa_jax.kfac(grad_fn.layers(params, batch), ...)"
       f"; got {type(layers).__name__}"
     )
-  _check_hyperparameter("damping", damping, 0.0)
-  _check_hyperparameter("factor_decay", factor_decay, 0.0, 1.0)
-  _check_steps("factor_update_steps", factor_update_steps)
-  inv_steps_at_zero = _check_steps("inv_update_steps", inv_update_steps)
+  hp.check_scalar("damping", damping, 0.0)
+  hp.check_scalar("factor_decay", factor_decay, 0.0, 1.0)
+  hp.check_steps("factor_update_steps", factor_update_steps)
+  inv_steps_at_zero = hp.check_steps("inv_update_steps", inv_update_steps)
   if kl_clip is not None:
-    _check_hyperparameter("kl_clip", kl_clip, 0.0)
+    hp.check_scalar("kl_clip", kl_clip, 0.0)
     if lr is None:
       raise ValueError(
         "kl_clip needs the learning rate: pass lr= (the chained optimizer's), or kl_clip=None"
       )
   if lr is not None:
-    _check_hyperparameter("lr", lr, 0.0)
+    hp.check_scalar("lr", lr, 0.0)
   if compute_method not in preconditioning.METHODS:
     raise ValueError(
       f"compute_method must be one of {preconditioning.METHODS}, got {compute_method!r}"
@@ -353,8 +437,17 @@ def kfac(
   if not jnp.issubdtype(factor_dtype, jnp.floating):
     raise TypeError(f"factor_dtype must be a floating dtype, got {factor_dtype!r}")
   if max_cost_ratio is not None:
-    _check_hyperparameter("max_cost_ratio", max_cost_ratio, 0.0)
-  plan = _make_plan(layers, compute_method, inv_steps_at_zero, max_cost_ratio)
+    hp.check_scalar("max_cost_ratio", max_cost_ratio, 0.0)
+  if assignment_cost not in assignment.COSTS:
+    raise ValueError(f"assignment_cost must be one of {assignment.COSTS}, got {assignment_cost!r}")
+  comm = _collectives(grad_worker_fraction, mesh, axis_name, axis_size)
+
+  treated = tuple(
+    (spec, cost.choose_treatment(spec, compute_method, inv_steps_at_zero, max_cost_ratio))
+    for spec in layers.specs
+  )
+  layout = assignment.make_layout(treated, comm.rows, comm.cols, assignment_cost)
+  plan = Plan(treated, layers.skipped, layout, inv_steps_at_zero)
   unsupported = [k for k in layers.skipped if k.reason != EXCLUDED]
   if unsupported:
     warnings.warn(
@@ -365,50 +458,55 @@ def kfac(
     )
   dec_dtype = preconditioning.decomposition_dtype(factor_dtype)
 
-  def init_fn(params: Any) -> KFACState:
-    _layer_params(params, plan, "params")
-    factors, decompositions = {}, {}
-    for spec, t in plan.layers:
-      factors[spec.name] = _initial_factors(spec, t, factor_dtype)
-      decompositions[spec.name] = LayerDecompositions(
-        *(
-          preconditioning.initial(d, spec.groups, t.method, diag, dec_dtype)
-          for d, diag in zip((spec.a_dim, spec.g_dim), t.diagonal, strict=True)
-        )
-      )
+  def zero_state(rows: int, cols: int) -> KFACState:
     return KFACState(
       count=jnp.zeros([], jnp.int32),
       factor_total=jnp.zeros([], jnp.float32),
-      factors=factors,
-      decompositions=decompositions,
+      factors=jnp.zeros((rows, cols, layout.factor_size), factor_dtype),
+      decompositions=jnp.zeros((rows, layout.cols, layout.decomposition_size), dec_dtype),
     )
+
+  def init_fn(params: Any) -> KFACState:
+    _layer_params(params, plan, "params")
+    if comm.mode != "shard_map":
+      return zero_state(1, 1)
+    shape = jax.eval_shape(lambda: zero_state(layout.rows, layout.cols))
+    shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_partition_specs(shape))
+    return jax.jit(lambda: zero_state(layout.rows, layout.cols), out_shardings=shardings)()
 
   def update_fn(updates, state, params=None, *, curvature: Curvature | None = None, **extra):
     del params, extra
     _check_curvature(curvature, plan)
+    comm.check()
     grads = _layer_params(updates, plan, "updates")
     step = state.count
-    damp = _at(damping, step, dec_dtype)
+    damp = hp.at(damping, step, dec_dtype)
 
-    every = _at(factor_update_steps, step, jnp.int32)
+    every = hp.at(factor_update_steps, step, jnp.int32)
     factors, total = jax.lax.cond(
       step % every == 0,
       lambda: update_factors(
-        plan, state.factors, state.factor_total, curvature, _at(factor_decay, step), factor_dtype
+        plan,
+        state.factors,
+        state.factor_total,
+        curvature,
+        hp.at(factor_decay, step),
+        factor_dtype,
+        comm,
       ),
       lambda: (state.factors, state.factor_total),
     )
-    every = _at(inv_update_steps, step, jnp.int32)
+    every = hp.at(inv_update_steps, step, jnp.int32)
     decompositions = jax.lax.cond(
       step % every == 0,
-      lambda: decompose_factors(plan, factors, damp),
+      lambda: decompose_factors(plan, factors, damp, comm),
       lambda: state.decompositions,
     )
-    preconditioned, vg_sum = precondition_grads(plan, grads, decompositions, damp, dec_dtype)
+    preconditioned, vg_sum = precondition_grads(plan, grads, decompositions, damp, dec_dtype, comm)
     nu = 1.0
     if kl_clip is not None:
       nu = preconditioning.kl_clip_scale(
-        vg_sum, _at(kl_clip, step, dec_dtype), _at(lr, step, dec_dtype)
+        vg_sum, hp.at(kl_clip, step, dec_dtype), hp.at(lr, step, dec_dtype)
       )
 
     replacements = {}
@@ -420,9 +518,82 @@ def kfac(
     new_updates = jax.tree_util.tree_map_with_path(
       lambda path, leaf: replacements.get(path, leaf), updates
     )
-    new_state = KFACState(step + 1, total, factors, decompositions)
-    return new_updates, new_state
+    return new_updates, KFACState(step + 1, total, factors, decompositions)
 
   tx = KFAC(init_fn, update_fn)
   tx.plan = plan
   return tx
+
+
+class LayerFactors(NamedTuple):
+  """One layer's factors (a diagonal side is a vector), batched over its groups."""
+
+  a: Array
+  g: Array
+
+
+def layer_factors(plan: Plan, state: KFACState) -> dict[str, LayerFactors]:
+  """Each layer's running-average factors, from a state.
+
+  Works on a single-device state and on the global state of a mesh (outside
+  ``shard_map``), where it reads each factor from the device that owns it.
+  """
+  out = {}
+  layout = plan.layout
+  for r in range(layout.rows):
+    for c in range(layout.cols):
+      owned = layout.owned(r, c)
+      buffer = state.factors[r % state.factors.shape[0], c % state.factors.shape[1]]
+      shapes = [x for i in owned for x in assignment.factor_shapes(*plan.layers[i])]
+      parts = distribution.split(buffer, shapes)
+      for k, i in enumerate(owned):
+        out[plan.layers[i][0].name] = LayerFactors(parts[2 * k], parts[2 * k + 1])
+  return {spec.name: out[spec.name] for spec, _ in plan.layers}
+
+
+class LayerDecompositions(NamedTuple):
+  """The decompositions of one layer's two factors."""
+
+  a: preconditioning.Decomposition
+  g: preconditioning.Decomposition
+
+
+def layer_decompositions(plan: Plan, state: KFACState) -> dict[str, LayerDecompositions]:
+  """Each layer's latest decompositions, from a state (as `layer_factors`)."""
+  out = {}
+  layout = plan.layout
+  for r in range(layout.rows):
+    buffers = state.decompositions[r % state.decompositions.shape[0]]
+    for c in range(layout.cols):
+      owned = layout.owned(r, c)
+      sides = [s for i in owned for s in assignment.decomposition_shapes(*plan.layers[i])]
+      parts = iter(distribution.split(buffers[c], [x for side in sides for x in side]))
+      for i in owned:
+        spec, t = plan.layers[i]
+        decs = [
+          _as_decomposition([next(parts) for _ in side], t.method, diag)
+          for side, diag in zip(assignment.decomposition_shapes(spec, t), t.diagonal, strict=True)
+        ]
+        out[spec.name] = LayerDecompositions(*decs)
+  return {spec.name: out[spec.name] for spec, _ in plan.layers}
+
+
+def state_partition_specs(state: KFACState) -> KFACState:
+  """The ``shard_map`` specs of a `KFACState` made for a mesh."""
+  owned = P(distribution.RECEIVERS, distribution.GRAD_WORKERS)
+  group = P(distribution.RECEIVERS)
+  del state
+  return KFACState(count=P(), factor_total=P(), factors=owned, decompositions=group)
+
+
+def partition_specs(tree: Any) -> Any:
+  """``shard_map`` specs for an optimizer state that contains a `KFACState`.
+
+  K-FAC's factors are split over both mesh axes, its decompositions over the
+  receivers (each group holds its own); everything else is replicated.
+  """
+  return jax.tree.map(
+    lambda x: state_partition_specs(x) if isinstance(x, KFACState) else P(),
+    tree,
+    is_leaf=lambda x: isinstance(x, KFACState),
+  )

@@ -6,9 +6,11 @@ import os
 import sys
 
 # Tests run tiny programs: XLA's backend optimisations cost far more compile
-# time than they save. Set before JAX initialises its backend.
+# time than they save. Eight CPU devices emulate a data-parallel machine; single
+# device code runs on the first. Set before JAX initialises its backend.
 os.environ["XLA_FLAGS"] = (
-  os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+  os.environ.get("XLA_FLAGS", "")
+  + " --xla_backend_optimization_level=0 --xla_force_host_platform_device_count=8"
 ).strip()
 
 import pytest

@@ -8,6 +8,8 @@ import pytest
 import references as ref
 from conftest import one_update
 
+import kaisa_jax
+
 DAMPING = 0.03
 
 # (input shape, Conv kwargs). Together they cover 1-3 spatial dims, strides,
@@ -98,14 +100,14 @@ def test_conv_matches_explicit_patches_and_dense_solve(x64, case, method):
   def loss_fn(params, x):
     return head(conv.apply(params, x))
 
-  grads, _, _, state, updates = one_update(
+  grads, _, tx, state, updates = one_update(
     loss_fn, params, x, damping=DAMPING, compute_method=method, factor_dtype=jnp.float64
   )
   groups = conv.feature_group_count
   bias = conv.use_bias
   patches = _reference_patches(np.asarray(x), conv)
   g_rows = np.asarray(jax.jit(jax.grad(head))(out)).reshape(-1, groups, out_shape[-1] // groups)
-  (factors,) = state.factors.values()
+  (factors,) = kaisa_jax.layer_factors(tx.plan, state).values()
   p = grads["params"]
   v = ref.gradient_matrix(p["kernel"], p.get("bias"), groups)
   got = ref.gradient_matrix(updates["params"]["kernel"], updates["params"].get("bias"), groups)

@@ -1,0 +1,146 @@
+"""Distributed K-FAC: the same numbers for every device count and grad worker fraction."""
+
+import functools
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from distributed_setup import build, initial_params, relative_error, run
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import kaisa_jax
+from kaisa_jax import accounting, distribution
+
+STEPS = 20
+CONFIGS = [(n, f) for n in (1, 2, 4, 8) for f in distribution.valid_fractions(n)]
+
+
+@functools.cache
+def trained(model_name: str, mode: str, n: int, fraction: str, chained: bool):
+  """``(first update, final params)``: one step of K-FAC alone, or 20 chained with SGD."""
+  return run(model_name, mode, n, fraction, STEPS if chained else 1, chained)[:2]
+
+
+@pytest.mark.parametrize("mode", ["shard_map", "pmap"])
+@pytest.mark.parametrize("model_name", ["mlp", "cnn"])
+@pytest.mark.parametrize("n, fraction", CONFIGS, ids=[f"{n}dev-f{f}" for n, f in CONFIGS])
+def test_same_preconditioned_gradient_and_training_as_one_device(mode, model_name, n, fraction):
+  ref_update, _ = trained(model_name, "single", 1, "1", chained=False)
+  update, _ = trained(model_name, mode, n, fraction, chained=False)
+  assert relative_error(update, ref_update) <= 1e-5
+  # 20 steps: each step carries float32 differences of order 1e-6 from summing
+  # the factors and gradients in another order; they compound, but stay far
+  # below how far the parameters move.
+  _, ref_params = trained(model_name, "single", 1, "1", chained=True)
+  _, params = trained(model_name, mode, n, fraction, chained=True)
+  assert relative_error(params, ref_params) <= 1e-4
+  initial = jax.tree.map(np.asarray, initial_params(model_name))
+  assert relative_error(params, initial) > 1e-2
+  # For a given device count the fraction only moves work between devices: the
+  # numbers are bit for bit those of COMM-OPT.
+  _, comm_opt = trained(model_name, mode, n, "1", chained=True)
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(comm_opt)):
+    np.testing.assert_array_equal(a, b)
+
+
+def _equal_layers_params():
+  """16 equal dense layers: a model whose factors can be split evenly over 8 devices."""
+  import flax.linen as nn
+  import jax.numpy as jnp
+  import optax
+
+  class Deep(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      for _ in range(16):
+        x = nn.tanh(nn.Dense(31)(x))
+      return x
+
+  model = Deep()
+  x = jnp.ones((8, 31))
+  params = model.init(jax.random.key(0), x)
+  grad_fn = kaisa_jax.value_and_grad(lambda p, x: optax.l2_loss(model.apply(p, x)).mean())
+  return params, grad_fn.layers(params, x[:1])
+
+
+def _shard_bytes(array) -> set[int]:
+  return {s.data.nbytes for s in array.addressable_shards}
+
+
+def test_second_order_state_is_sharded():
+  params, layers = _equal_layers_params()
+  single = kaisa_jax.kfac(layers, kl_clip=None).init(params)
+  per_device = {}
+  for fraction in ("mem_opt", "hybrid_opt", "comm_opt"):
+    mesh = kaisa_jax.make_mesh(fraction)
+    replicated = jax.device_put(params, NamedSharding(mesh, P()))
+    state = kaisa_jax.kfac(layers, mesh=mesh, kl_clip=None).init(replicated)
+    factors, decompositions = _shard_bytes(state.factors), _shard_bytes(state.decompositions)
+    assert len(factors) == 1 and len(decompositions) == 1  # every device holds the same share
+    per_device[fraction] = (factors.pop(), decompositions.pop())
+  mem, hybrid, comm = (per_device[f] for f in ("mem_opt", "hybrid_opt", "comm_opt"))
+  assert mem[1] <= 1.15 / 8 * comm[1]
+  assert hybrid[1] <= 1.15 / 2 * comm[1]
+  # Factors live on their owner only, whatever the fraction.
+  for factor_bytes, _ in per_device.values():
+    assert factor_bytes <= 1.15 / 8 * single.factors.nbytes
+
+
+@pytest.mark.parametrize("fraction", ["1/8", "1/4", "1/2", "1"])
+def test_collectives_in_compiled_step_match_the_model(fraction):
+  fn, (params, state), inputs, kfac = build("cnn", "shard_map", 8, fraction, 1, chained=True)
+  collectives = accounting.hlo_collectives(fn.lower(params, state, *inputs[0]).compile(), 8)
+  measured = {phase: 0.0 for phase in accounting.per_step([], 1, 1)}
+  for c in collectives:
+    measured[c.phase] += c.moved_bytes
+  model, _ = accounting.communication_model(kfac.plan)
+  expected = {
+    accounting.FACTOR_REDUCTION: model.factor_reduction,
+    accounting.DECOMPOSITION_SHARING: model.decomposition_sharing,
+    accounting.GRADIENT_SHARING: model.gradient_sharing,
+  }
+  for phase, value in expected.items():
+    assert abs(measured[phase] - value) <= 0.1 * value, (phase, measured[phase], value)
+  assert expected[accounting.FACTOR_REDUCTION] > 0
+  if fraction == "1":  # COMM-OPT: no preconditioned gradient is gathered
+    assert measured[accounting.GRADIENT_SHARING] == 0
+  if fraction == "1/8":  # MEM-OPT: no decomposition is gathered
+    assert measured[accounting.DECOMPOSITION_SHARING] == 0
+  # The data-parallel gradient all-reduce is there too, attributed to no phase.
+  assert measured[accounting.OTHER] > 0
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_train_like_one(tmp_path):
+  here = os.path.dirname(__file__)
+  out = tmp_path / "params.npz"
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["PYTHONPATH"] = os.pathsep.join([here, env.get("PYTHONPATH", "")])
+  port = str(_free_port())
+  worker = os.path.join(here, "multiprocess_worker.py")
+  procs = [
+    subprocess.Popen(
+      [sys.executable, worker, str(i), "2", port, str(out)],
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+    )
+    for i in range(2)
+  ]
+  logs = [p.communicate(timeout=600)[0].decode() for p in procs]
+  assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+  results = np.load(out)
+  for fraction in ("1/8", "1/2"):
+    _, params, _ = run("mlp", "shard_map", 8, fraction, 5, chained=True)
+    other = [results[f"{fraction}/{i}"] for i in range(len(jax.tree.leaves(params)))]
+    assert relative_error(other, jax.tree.leaves(params)) <= 1e-5
