@@ -3,6 +3,7 @@
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import jaxpr_tools
 import numpy as np
 import optax
 import pytest
@@ -134,26 +135,6 @@ def test_kl_clip_matches_formula(kl_clip):
     np.testing.assert_allclose(a, nu * np.asarray(b), rtol=1e-5, atol=1e-8)
 
 
-def _subjaxprs(eqn):
-  for value in eqn.params.values():
-    for item in value if isinstance(value, tuple | list) else (value,):
-      if isinstance(item, jax.extend.core.ClosedJaxpr):
-        yield item.jaxpr
-      elif isinstance(item, jax.extend.core.Jaxpr):
-        yield item
-
-
-def _primitives(jaxpr, into_cond: bool):
-  """Primitive names reachable from ``jaxpr``, optionally not descending into conds."""
-  names = set()
-  for eqn in jaxpr.eqns:
-    names.add(eqn.primitive.name)
-    if eqn.primitive.name != "cond" or into_cond:
-      for sub in _subjaxprs(eqn):
-        names |= _primitives(sub, into_cond)
-  return names
-
-
 def test_skipped_work_sits_under_cond():
   data, params, grad_fn, tx = setup(factor_update_steps=2, inv_update_steps=3)
   state = tx.init(params)
@@ -162,10 +143,10 @@ def test_skipped_work_sits_under_cond():
   closed = jax.make_jaxpr(lambda g, s, c: tx.update(g, s, params, curvature=c))(
     grads, state, curvature
   )
-  outside = _primitives(closed.jaxpr, into_cond=False)
+  outside = jaxpr_tools.primitives(closed.jaxpr, into_cond=False)
   assert "cond" in outside
   assert "eigh" not in outside
-  assert "eigh" in _primitives(closed.jaxpr, into_cond=True)
+  assert "eigh" in jaxpr_tools.primitives(closed.jaxpr, into_cond=True)
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import jax
+import jaxpr_tools
 import numpy as np
 import pytest
 from distributed_setup import build, initial_params, relative_error, run
@@ -144,3 +145,25 @@ def test_two_processes_train_like_one(tmp_path):
     _, params, _ = run("mlp", "shard_map", 8, fraction, 5, chained=True)
     other = [results[f"{fraction}/{i}"] for i in range(len(jax.tree.leaves(params)))]
     assert relative_error(other, jax.tree.leaves(params)) <= 1e-5
+
+
+@pytest.mark.parametrize("fraction", ["1/8", "1/2", "1"])
+def test_each_factor_is_decomposed_by_exactly_one_device(fraction):
+  fn, (params, state), inputs, kfac = build("cnn", "shard_map", 8, fraction, 1, chained=False)
+  jaxpr = jax.make_jaxpr(fn)(params, state, *inputs[0]).jaxpr
+  plan = kfac.plan
+  per_device = [
+    sum(not diag for i in plan.layout.owned(r, c) for diag in plan.layers[i][1].diagonal)
+    for r in range(plan.layout.rows)
+    for c in range(plan.layout.cols)
+  ]
+  # One branch per device, run by that device alone; each holds the eigh of its own factors.
+  switches = [
+    b
+    for b in jaxpr_tools.switches(jaxpr)
+    if len(b) == 8 and any(jaxpr_tools.count(x, "eigh") for x in b)
+  ]
+  assert len(switches) == 1
+  assert [jaxpr_tools.count(b, "eigh") for b in switches[0]] == per_device
+  assert sum(per_device) == 2 * len(plan.layers)
+  assert jaxpr_tools.count(jaxpr, "eigh") == sum(per_device)
