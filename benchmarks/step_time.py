@@ -5,8 +5,9 @@ the step time of SGD (momentum 0.9) and of K-FAC chained with it, their ratio,
 the ratio implied by FLOPs alone, and where K-FAC's time goes per phase.
 
 * Step time: a K-FAC step's cost depends on whether it updates factors or
-  decompositions, so steps are timed in blocks of ``inv_update_steps`` (a whole
-  cadence cycle) and the median block mean is reported; SGD likewise.
+  decompositions, so steps are timed in blocks of 100 (whole cadence cycles) and
+  the median block mean is reported. SGD and both cadences take turns block by
+  block, so the machine's slow spells hit them alike.
 * FLOPs: XLA's cost analysis of each compiled phase (a `lax.cond` is counted as
   if its branch always ran, so the phases are compiled separately and
   amortised: ``plain + factors / factor_update_steps + decomposition /
@@ -108,18 +109,24 @@ def seconds(fn: Callable, *args, repeats: int = 20) -> float:
   return statistics.median(times)
 
 
-def block_seconds(step: Callable, state, batch, block: int, blocks: int) -> float:
-  """Median over ``blocks`` of the mean step time within a block of ``block`` steps."""
-  state = step(*state, *batch)
-  jax.block_until_ready(state)
-  means = []
+def interleaved_seconds(steps: dict[str, tuple[Callable, tuple]], batch, block: int, blocks: int):
+  """Per step function, the median over ``blocks`` of its mean step time in a block.
+
+  The functions take turns block by block, so a slow spell of the machine
+  touches all of them alike and their ratios stay meaningful.
+  """
+  states = {name: jax.block_until_ready(fn(*state, *batch)) for name, (fn, state) in steps.items()}
+  means: dict[str, list[float]] = {name: [] for name in steps}
   for _ in range(blocks):
-    start = time.perf_counter()
-    for _ in range(block):
-      state = step(*state, *batch)
-    jax.block_until_ready(state)
-    means.append((time.perf_counter() - start) / block)
-  return statistics.median(means)
+    for name, (fn, _) in steps.items():
+      state = states[name]
+      start = time.perf_counter()
+      for _ in range(block):
+        state = fn(*state, *batch)
+      jax.block_until_ready(state)
+      means[name].append((time.perf_counter() - start) / block)
+      states[name] = state
+  return {name: statistics.median(m) for name, m in means.items()}
 
 
 def bench_model(name: str, blocks: int) -> None:
@@ -140,20 +147,14 @@ def bench_model(name: str, blocks: int) -> None:
     return optax.apply_updates(params, updates), opt_state
 
   sgd_state = (params, sgd.init(params))
-  t_sgd = block_seconds(jax.jit(sgd_step), sgd_state, (x, y), 100, blocks)
   f_sgd = flops(sgd_step, *sgd_state, x, y)
   grad_fn = kaisa_jax.value_and_grad(loss_fn)
   layers = grad_fn.layers(params, x, y)
-
-  # Per-phase costs; they do not depend on the cadence but the plan may.
-  print(f"\n== {name}: SGD step {t_sgd * 1e3:.2f} ms, {f_sgd / 1e6:.1f} MFLOP ({REFERENCE[name]})")
-  print(
-    f"{'cadence':>9} {'K-FAC ms':>9} {'ratio':>7} {'FLOP ratio':>10} {'measured/FLOP':>13} |"
-    f" per phase, ms per call (amortised ms per step): capture, factors, decomposition, preconditioning"
-  )
-  for factor_steps, inv_steps in CADENCES:
+  steps = {"sgd": (jax.jit(sgd_step), sgd_state)}
+  kfacs = {}
+  for cadence in CADENCES:
     kfac = kaisa_jax.kfac(
-      layers, factor_update_steps=factor_steps, inv_update_steps=inv_steps, lr=0.01
+      layers, factor_update_steps=cadence[0], inv_update_steps=cadence[1], lr=0.01
     )
     tx = optax.chain(kfac, optax.sgd(0.01, momentum=0.9))
 
@@ -162,9 +163,22 @@ def bench_model(name: str, blocks: int) -> None:
       updates, opt_state = tx.update(grads, opt_state, params, curvature=curvature)
       return optax.apply_updates(params, updates), opt_state
 
-    kfac_state = (params, tx.init(params))
-    t_kfac = block_seconds(jax.jit(kfac_step), kfac_state, (x, y), inv_steps, blocks)
+    kfacs[cadence] = kfac
+    steps[cadence] = (jax.jit(kfac_step), (params, tx.init(params)))
+  # Every cadence divides 100 steps: a block holds whole cadence cycles.
+  times = interleaved_seconds(steps, (x, y), 100, blocks)
+  t_sgd = times["sgd"]
 
+  # Per-phase costs; they do not depend on the cadence but the plan may.
+  print(f"\n== {name}: SGD step {t_sgd * 1e3:.2f} ms, {f_sgd / 1e6:.1f} MFLOP ({REFERENCE[name]})")
+  print(
+    f"{'cadence':>9} {'K-FAC ms':>9} {'ratio':>7} {'FLOP ratio':>10} {'measured/FLOP':>13} |"
+    f" per phase, ms per call (amortised ms per step): capture, factors, decomposition, preconditioning"
+  )
+  for factor_steps, inv_steps in CADENCES:
+    kfac = kfacs[(factor_steps, inv_steps)]
+    t_kfac = times[(factor_steps, inv_steps)]
+    kfac_state = steps[(factor_steps, inv_steps)][1]
     plan, state = kfac.plan, kfac_state[1][0]
     _, grads, curvature = grad_fn(params, x, y)
     layer_grads = transform._layer_params(grads, plan, "updates")
