@@ -64,6 +64,20 @@ class KFACState(NamedTuple):
   decompositions: Array
 
 
+class LayerFactors(NamedTuple):
+  """One layer's factors (a diagonal side is a vector), batched over its groups."""
+
+  a: Array
+  g: Array
+
+
+class LayerDecompositions(NamedTuple):
+  """The decompositions of one layer's two factors."""
+
+  a: preconditioning.Decomposition
+  g: preconditioning.Decomposition
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """Every layer with its treatment and its place, and what is not preconditioned."""
@@ -172,14 +186,32 @@ def _decomposition_arrays(dec: preconditioning.Decomposition) -> list[Array]:
   return [x for x in dec if x is not None]
 
 
-def _as_decomposition(
-  arrays: list[Array], method: str, diagonal: bool
-) -> preconditioning.Decomposition:
-  if diagonal:
-    return preconditioning.Decomposition(None, arrays[0])
-  if method == preconditioning.EIGEN:
-    return preconditioning.Decomposition(arrays[0], arrays[1])
-  return preconditioning.Decomposition(arrays[0], None)
+def _unpack_factors(plan: Plan, buffer: Array, owned: list[int]) -> list[LayerFactors]:
+  """The factors of layers ``owned``, laid out one after another in ``buffer``."""
+  shapes = [x for i in owned for x in assignment.factor_shapes(*plan.layers[i])]
+  parts = distribution.split(buffer, shapes)
+  return [LayerFactors(parts[2 * k], parts[2 * k + 1]) for k in range(len(owned))]
+
+
+def _unpack_decompositions(
+  plan: Plan, buffer: Array, owned: list[int]
+) -> list[LayerDecompositions]:
+  """The decompositions of layers ``owned``, laid out one after another in ``buffer``."""
+  sides = [side for i in owned for side in assignment.decomposition_shapes(*plan.layers[i])]
+  parts = iter(distribution.split(buffer, [x for side in sides for x in side]))
+  out = []
+  for i in owned:
+    t = plan.layers[i][1]
+    decs = []
+    for diag in t.diagonal:
+      if diag:
+        decs.append(preconditioning.Decomposition(None, next(parts)))
+      elif t.method == preconditioning.EIGEN:
+        decs.append(preconditioning.Decomposition(next(parts), next(parts)))
+      else:
+        decs.append(preconditioning.Decomposition(next(parts), None))
+    out.append(LayerDecompositions(*decs))
+  return out
 
 
 def _switch(index: Array, branches: list, *operands):
@@ -232,14 +264,11 @@ def decompose_factors(
   def branch(row: int, col: int):
     def decompose(factors):
       owned = layout.owned(row, col)
-      shapes = [x for i in owned for x in assignment.factor_shapes(*plan.layers[i])]
-      parts = iter(distribution.split(factors[0, 0], shapes))
       out = []
-      for i in owned:
+      for i, f in zip(owned, _unpack_factors(plan, factors[0, 0], owned), strict=True):
         t = plan.layers[i][1]
-        for diag in t.diagonal:
-          dec = preconditioning.decompose(next(parts), t.method, diag, damping)
-          out += _decomposition_arrays(dec)
+        for factor, diag in zip(f, t.diagonal, strict=True):
+          out += _decomposition_arrays(preconditioning.decompose(factor, t.method, diag, damping))
       flat = distribution.flatten_into(out, layout.decomposition_size, dtype)
       return comm.vary(flat[None, None], over_group=True)
 
@@ -272,20 +301,9 @@ def precondition_grads(
       out = []
       for col in range(layout.cols):
         owned = layout.owned(row, col)
-        shapes = [
-          x
-          for i in owned
-          for side in assignment.decomposition_shapes(*plan.layers[i])
-          for x in side
-        ]
-        parts = iter(distribution.split(decompositions[0, col], shapes))
-        for i in owned:
-          spec, t = plan.layers[i]
-          decs = [
-            _as_decomposition([next(parts) for _ in side], t.method, diag)
-            for side, diag in zip(assignment.decomposition_shapes(spec, t), t.diagonal, strict=True)
-          ]
-          out.append(preconditioning.precondition(matrices[i], *decs, t.method, damping))
+        for i, dec in zip(owned, _unpack_decompositions(plan, decompositions[0, col], owned)):
+          method = plan.layers[i][1].method
+          out.append(preconditioning.precondition(matrices[i], dec.a, dec.g, method, damping))
       flat = distribution.flatten_into(out, layout.gradient_size, dtype)
       return comm.vary(flat[None], over_group=False)
 
@@ -525,13 +543,6 @@ def kfac(
   return tx
 
 
-class LayerFactors(NamedTuple):
-  """One layer's factors (a diagonal side is a vector), batched over its groups."""
-
-  a: Array
-  g: Array
-
-
 def layer_factors(plan: Plan, state: KFACState) -> dict[str, LayerFactors]:
   """Each layer's running-average factors, from a state.
 
@@ -539,43 +550,25 @@ def layer_factors(plan: Plan, state: KFACState) -> dict[str, LayerFactors]:
   ``shard_map``), where it reads each factor from the device that owns it.
   """
   out = {}
-  layout = plan.layout
-  for r in range(layout.rows):
-    for c in range(layout.cols):
-      owned = layout.owned(r, c)
-      buffer = state.factors[r % state.factors.shape[0], c % state.factors.shape[1]]
-      shapes = [x for i in owned for x in assignment.factor_shapes(*plan.layers[i])]
-      parts = distribution.split(buffer, shapes)
-      for k, i in enumerate(owned):
-        out[plan.layers[i][0].name] = LayerFactors(parts[2 * k], parts[2 * k + 1])
-  return {spec.name: out[spec.name] for spec, _ in plan.layers}
-
-
-class LayerDecompositions(NamedTuple):
-  """The decompositions of one layer's two factors."""
-
-  a: preconditioning.Decomposition
-  g: preconditioning.Decomposition
+  rows, cols = state.factors.shape[:2]
+  for r in range(plan.layout.rows):
+    for c in range(plan.layout.cols):
+      owned = plan.layout.owned(r, c)
+      buffer = state.factors[r % rows, c % cols]
+      out.update(zip(owned, _unpack_factors(plan, buffer, owned), strict=True))
+  return {spec.name: out[i] for i, (spec, _) in enumerate(plan.layers)}
 
 
 def layer_decompositions(plan: Plan, state: KFACState) -> dict[str, LayerDecompositions]:
   """Each layer's latest decompositions, from a state (as `layer_factors`)."""
   out = {}
-  layout = plan.layout
-  for r in range(layout.rows):
-    buffers = state.decompositions[r % state.decompositions.shape[0]]
-    for c in range(layout.cols):
-      owned = layout.owned(r, c)
-      sides = [s for i in owned for s in assignment.decomposition_shapes(*plan.layers[i])]
-      parts = iter(distribution.split(buffers[c], [x for side in sides for x in side]))
-      for i in owned:
-        spec, t = plan.layers[i]
-        decs = [
-          _as_decomposition([next(parts) for _ in side], t.method, diag)
-          for side, diag in zip(assignment.decomposition_shapes(spec, t), t.diagonal, strict=True)
-        ]
-        out[spec.name] = LayerDecompositions(*decs)
-  return {spec.name: out[spec.name] for spec, _ in plan.layers}
+  rows = state.decompositions.shape[0]
+  for r in range(plan.layout.rows):
+    for c in range(plan.layout.cols):
+      owned = plan.layout.owned(r, c)
+      buffer = state.decompositions[r % rows, c]
+      out.update(zip(owned, _unpack_decompositions(plan, buffer, owned), strict=True))
+  return {spec.name: out[i] for i, (spec, _) in enumerate(plan.layers)}
 
 
 def state_partition_specs(state: KFACState) -> KFACState:
