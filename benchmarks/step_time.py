@@ -190,19 +190,17 @@ def bench_model(name: str, blocks: int) -> None:
       return jax.value_and_grad(loss_fn)(params, x, y)
 
     def factors(state, curvature, plan=plan):
-      return transform.update_factors(
-        plan, state.factors, state.factor_total, curvature, DECAY, jnp.float32, SINGLE
-      )
+      return transform.update_factors(plan, state, curvature, DECAY, jnp.float32, SINGLE)
 
     def decomposition(state, plan=plan):
-      return transform.decompose_factors(plan, state.factors, DAMPING, SINGLE)
+      return transform.decompose_factors(plan, state, DAMPING, SINGLE)
 
     def precondition(layer_grads, state, plan=plan):
       return transform.precondition_grads(
         plan, layer_grads, state.decompositions, DAMPING, jnp.float32, SINGLE
       )
 
-    state = state._replace(factors=jax.jit(factors)(state, curvature)[0])
+    state = jax.jit(factors)(state, curvature)
     phases = {
       "capture": (
         max(seconds(capture, params, x, y) - seconds(plain_grad, params, x, y), 0.0),

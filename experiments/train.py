@@ -87,7 +87,12 @@ def train(
 
   def record(k: int) -> None:
     loss, metric = (float(v) for v in evaluate(params))
-    rec = {"step": k, "wall_seconds": wall, "train_loss": loss, "metric": metric, **meta}
+    rec = {"step": k, "wall_seconds": wall, "train_loss": loss, "metric": metric}
+    if layers is not None:  # K-FAC's health counters
+      kfac_state = opt_state[0]
+      rec["skipped_factor_updates"] = int(kfac_state.skipped_factor_updates)
+      rec["failed_decompositions"] = int(kfac_state.failed_decompositions)
+    rec |= meta
     records.append(rec)
     if sink is not None:
       sink.write(json.dumps(rec) + "\n")

@@ -15,6 +15,7 @@ Distributed: ``mesh = kaisa_jax.make_mesh("hybrid_opt")`` and
 """
 
 from kaisa_jax.capture import LayerCurvature, Layers, ValueAndGrad, value_and_grad
+from kaisa_jax.checkpointing import PortableKFACState, from_portable, to_portable
 from kaisa_jax.distribution import GRAD_WORKERS, RECEIVERS, make_mesh
 from kaisa_jax.transform import (
   KFAC,
@@ -34,12 +35,15 @@ __all__ = [
   "LayerCurvature",
   "Layers",
   "Plan",
+  "PortableKFACState",
   "ValueAndGrad",
+  "from_portable",
   "kfac",
   "layer_decompositions",
   "layer_factors",
   "make_mesh",
   "partition_specs",
+  "to_portable",
   "value_and_grad",
 ]
 __version__ = "0.1.0"

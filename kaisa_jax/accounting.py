@@ -164,16 +164,19 @@ def communication_model(plan: transform.Plan, itemsize: int = 4) -> tuple[Model,
   """``(kaisa_jax, reference)`` per-device bytes for a plan's layout.
 
   ``kaisa_jax`` reduces each factor onto its owner and stores it there (buffers
-  as long as the largest device's share); ``reference`` all-reduces every factor
+  as long as the largest device's share), and each phase agrees on one int32
+  health count (non-finite factors, failed decompositions); ``reference`` all-reduces every factor
   to every device and stores all of them, as the KAISA reference implementation
   does. Both share decompositions within groups and preconditioned gradients
   across them.
   """
   layout = plan.layout
   rows, cols, n = layout.rows, layout.cols, layout.devices
+  flag = moved("all-reduce", n, 4)  # the int32 health count each phase agrees on
   ours = Model(
-    factor_reduction=moved("reduce-scatter", n, layout.factor_size * itemsize),
-    decomposition_sharing=moved("all-gather", cols, cols * layout.decomposition_size * itemsize),
+    factor_reduction=moved("reduce-scatter", n, layout.factor_size * itemsize) + flag,
+    decomposition_sharing=moved("all-gather", cols, cols * layout.decomposition_size * itemsize)
+    + flag,
     gradient_sharing=moved("all-gather", rows, rows * layout.gradient_size * itemsize),
     factor_memory=layout.factor_size * itemsize,
     decomposition_memory=cols * layout.decomposition_size * itemsize,

@@ -186,6 +186,17 @@ class Collectives:
     i = jax.lax.axis_index(self.axis_name)
     return i // self.cols, i % self.cols
 
+  def _all_axes(self) -> str | tuple[str, str]:
+    return (RECEIVERS, GRAD_WORKERS) if self.mode == "shard_map" else self.axis_name
+
+  def total(self, x: Array) -> Array:
+    """The sum of ``x`` over all devices."""
+    return x if self.mode == "single" else jax.lax.psum(x, self._all_axes())
+
+  def everywhere(self, flag: Array) -> Array:
+    """Whether ``flag`` holds on every device."""
+    return self.total((~flag).astype(jnp.int32)) == 0
+
   def reduce_to_owners(self, stack: Array) -> Array:
     """``(rows, cols, ...)``, one entry per device, summed over devices onto its owner.
 
@@ -194,8 +205,7 @@ class Collectives:
     if self.mode == "single":
       return stack
     flat = stack.reshape(self.size, *stack.shape[2:])
-    axes = (RECEIVERS, GRAD_WORKERS) if self.mode == "shard_map" else self.axis_name
-    mine = jax.lax.psum_scatter(flat, axes, scatter_dimension=0, tiled=True)
+    mine = jax.lax.psum_scatter(flat, self._all_axes(), scatter_dimension=0, tiled=True)
     return mine.reshape(1, 1, *stack.shape[2:])
 
   def gather_group(self, x: Array) -> Array:

@@ -19,30 +19,39 @@ ScalarOrSchedule = float | Callable[[Array], Any]
 IntOrSchedule = int | Callable[[Array], Any]
 
 
-def _check_scalar(name: str, value: Any, low: float, high: float, closed_high: bool) -> None:
+def _check_scalar(
+  name: str, value: Any, low: float, high: float, open_low: bool, closed_high: bool
+) -> None:
   if isinstance(value, bool) or not isinstance(value, numbers.Real | np.ndarray | jax.Array):
     raise TypeError(f"{name} must be a real number or a schedule, got {value!r}")
   if np.ndim(value) != 0:
     raise TypeError(f"{name} must be a scalar, got shape {np.shape(value)}")
   v = float(value)
-  inside = low <= v and (v <= high if closed_high else v < high)
-  if not inside:
-    bound = "]" if closed_high else ")"
-    raise ValueError(f"{name} must lie in [{low}, {high}{bound}, got {v}")
+  above = low < v if open_low else low <= v
+  below = v <= high if closed_high else v < high
+  if not (above and below):
+    interval = f"{'(' if open_low else '['}{low}, {high}{']' if closed_high else ')'}"
+    raise ValueError(f"{name} must lie in {interval}, got {v}")
 
 
 def check_scalar(
-  name: str, value: Any, low: float, high: float = float("inf"), closed_high: bool = False
+  name: str,
+  value: Any,
+  low: float,
+  high: float = float("inf"),
+  *,
+  open_low: bool = False,
+  closed_high: bool = False,
 ) -> None:
-  """Checks a number or schedule against ``[low, high)`` (``]`` if ``closed_high``)."""
+  """Checks a number or schedule against the interval ``[low, high)`` (or open/closed ends)."""
   if callable(value):
     try:
       at_zero = value(jnp.asarray(0, jnp.int32))
     except Exception as e:
       raise TypeError(f"schedule {name} failed at step 0: {e}") from e
-    _check_scalar(f"{name}(0)", at_zero, low, high, closed_high)
+    _check_scalar(f"{name}(0)", at_zero, low, high, open_low, closed_high)
   else:
-    _check_scalar(name, value, low, high, closed_high)
+    _check_scalar(name, value, low, high, open_low, closed_high)
 
 
 def check_steps(name: str, value: Any) -> int:

@@ -12,7 +12,9 @@ gradient as a matrix ``V`` of shape ``(a_dim, g_dim)``:
 * ``"inverse"``: ``P = (A + damping I)^-1 V (G + damping I)^-1``. This damps
   each factor separately, a different (stronger) regulariser than the eigen
   method's for the same ``damping``; the damping is applied when the inverses
-  are computed.
+  are computed. If the Cholesky factorisation fails (a factor singular up to
+  rounding at a tiny damping), it is retried once with the damping raised by
+  ``eps * d * max(diag)``.
 
 A side may be kept diagonal (its factor is then a vector of the diagonal):
 its basis is the identity and its eigenvalues are the diagonal itself.
@@ -68,9 +70,24 @@ def decompose(factor: Array, method: str, diagonal: bool, damping: Array) -> Dec
     values, vectors = jnp.linalg.eigh(factor)
     return Decomposition(vectors, jnp.maximum(values, 0.0))
   eye = jnp.eye(factor.shape[-1], dtype=dtype)
-  damped = factor + damping * eye
-  chol = jax.scipy.linalg.cho_factor(damped, lower=True)
-  inverse = jax.scipy.linalg.cho_solve(chol, jnp.broadcast_to(eye, damped.shape))
+
+  def damped_inverse(shift):
+    damped = factor + shift * eye
+    chol = jax.scipy.linalg.cho_factor(damped, lower=True)
+    return jax.scipy.linalg.cho_solve(chol, jnp.broadcast_to(eye, damped.shape))
+
+  # A factor that is singular up to rounding (rank-deficient batch, dead units)
+  # can make the Cholesky fail at a tiny damping; retry once with the damping
+  # raised by the rounding error of the factor's diagonal.
+  inverse = damped_inverse(damping)
+  jitter = (
+    jnp.finfo(dtype).eps
+    * factor.shape[-1]
+    * jnp.max(jnp.abs(jnp.diagonal(factor, axis1=-2, axis2=-1)))
+  )
+  inverse = jax.lax.cond(
+    jnp.all(jnp.isfinite(inverse)), lambda: inverse, lambda: damped_inverse(damping + jitter)
+  )
   return Decomposition(inverse, None)
 
 

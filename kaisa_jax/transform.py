@@ -53,6 +53,12 @@ class KFACState(NamedTuple):
       owns, flattened in plan order (`kaisa_jax.layer_factors` unpacks them).
     decompositions: ``(1, W, D)``: the latest decompositions of the factors of
       every member of this device's grad-worker group.
+    skipped_factor_updates: factor updates skipped because the batch's factors
+      were not finite (NaN or Inf in the activations or output gradients).
+    failed_decompositions: decompositions of one factor that failed or came
+      back not finite; each kept that factor's last good decomposition.
+    refresh: decompose at the next step whatever the cadence (set when a
+      checkpoint is restored with another treatment of some layer).
 
   Under ``shard_map`` the global arrays are ``(N / W, W, ...)``: factors split
   over both mesh axes, decompositions over the receivers axis.
@@ -62,6 +68,9 @@ class KFACState(NamedTuple):
   factor_total: Array
   factors: Array
   decompositions: Array
+  skipped_factor_updates: Array
+  failed_decompositions: Array
+  refresh: Array
 
 
 class LayerFactors(NamedTuple):
@@ -86,6 +95,9 @@ class Plan:
   skipped: tuple[Skipped, ...]
   layout: assignment.Layout
   inv_update_steps: int
+  collectives: distribution.Collectives
+  mesh: Mesh | None
+  factor_dtype: Any
 
   def __str__(self) -> str:
     lines = [
@@ -223,20 +235,21 @@ def _switch(index: Array, branches: list, *operands):
 
 def update_factors(
   plan: Plan,
-  factors: Array,
-  total: Array,
+  state: KFACState,
   curvature: Curvature,
   decay: Array,
   dtype: Any,
   comm: distribution.Collectives,
-) -> tuple[Array, Array]:
+) -> KFACState:
   """Phase 1: folds the current batch's factors into the running averages.
 
   Every device computes the batch factors of every layer from its own rows;
   their mean over devices lands on the layer's owner only (one reduce-scatter).
+  If any device's share is not finite, no device updates and the skip is
+  counted.
   """
   layout = plan.layout
-  weight, total = factors_lib.average_weight(total, decay)
+  weight, total = factors_lib.average_weight(state.factor_total, decay)
   batch = [
     factors_lib.batch_factors(spec, curvature[spec.name], t.diagonal, dtype)
     for spec, t in plan.layers
@@ -251,33 +264,55 @@ def update_factors(
   send = jnp.stack(send).reshape(layout.rows, layout.cols, layout.factor_size)
   with jax.named_scope(FACTOR_REDUCTION):
     mine = comm.reduce_to_owners(send) / comm.size
-  return factors_lib.running_average(factors, mine, weight.astype(dtype)), total
+    finite = comm.everywhere(jnp.all(jnp.isfinite(mine)))
+  averaged = factors_lib.running_average(state.factors, mine, weight.astype(dtype))
+  return state._replace(
+    factors=jnp.where(finite, averaged, state.factors),
+    factor_total=jnp.where(finite, total, state.factor_total),
+    skipped_factor_updates=state.skipped_factor_updates + (~finite).astype(jnp.int32),
+  )
 
 
 def decompose_factors(
-  plan: Plan, factors: Array, damping: Array, comm: distribution.Collectives
-) -> Array:
-  """Phase 2: each device decomposes the factors it owns; its group receives them."""
+  plan: Plan, state: KFACState, damping: Array, comm: distribution.Collectives
+) -> KFACState:
+  """Phase 2: each device decomposes the factors it owns; its group receives them.
+
+  A decomposition that is not finite (a failed ``eigh`` or Cholesky) keeps the
+  factor's previous decomposition and is counted.
+  """
   layout = plan.layout
-  dtype = preconditioning.decomposition_dtype(factors.dtype)
+  dtype = preconditioning.decomposition_dtype(state.factors.dtype)
 
   def branch(row: int, col: int):
-    def decompose(factors):
+    def decompose(factors, previous):
       owned = layout.owned(row, col)
-      out = []
-      for i, f in zip(owned, _unpack_factors(plan, factors[0, 0], owned), strict=True):
+      old = _unpack_decompositions(plan, previous[0, col], owned)
+      out, failures = [], jnp.zeros([], jnp.int32)
+      for i, f, o in zip(owned, _unpack_factors(plan, factors[0, 0], owned), old, strict=True):
         t = plan.layers[i][1]
-        for factor, diag in zip(f, t.diagonal, strict=True):
-          out += _decomposition_arrays(preconditioning.decompose(factor, t.method, diag, damping))
+        for factor, diag, last in zip(f, t.diagonal, o, strict=True):
+          new = _decomposition_arrays(preconditioning.decompose(factor, t.method, diag, damping))
+          ok = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in new]))
+          out += [
+            jnp.where(ok, x, y) for x, y in zip(new, _decomposition_arrays(last), strict=True)
+          ]
+          failures = failures + (~ok).astype(jnp.int32)
       flat = distribution.flatten_into(out, layout.decomposition_size, dtype)
-      return comm.vary(flat[None, None], over_group=True)
+      return comm.vary(flat[None, None], over_group=True), comm.vary(failures, over_group=True)
 
     return decompose
 
   branches = [branch(r, c) for r in range(layout.rows) for c in range(layout.cols)]
-  mine = _switch(comm.index(), branches, factors)
+  mine, failures = _switch(comm.index(), branches, state.factors, state.decompositions)
   with jax.named_scope(DECOMPOSITION_SHARING):
-    return comm.gather_group(mine)
+    gathered = comm.gather_group(mine)
+    failures = comm.total(failures)
+  return state._replace(
+    decompositions=gathered,
+    failed_decompositions=state.failed_decompositions + failures,
+    refresh=jnp.zeros([], bool),
+  )
 
 
 def precondition_grads(
@@ -389,7 +424,7 @@ def kfac(
   Args:
     layers: the model's layers, from ``grad_fn.layers(params, batch)`` where
       ``grad_fn = kaisa_jax.value_and_grad(loss_fn)``.
-    damping: Tikhonov damping ``lambda >= 0`` added to the Kronecker product.
+    damping: Tikhonov damping ``lambda > 0`` added to the Kronecker product.
     factor_decay: running-average decay of the factors, in ``[0, 1)``; 0 keeps
       only the current batch.
     factor_update_steps: update the factors every this many steps (int >= 1).
@@ -436,18 +471,18 @@ def kfac(
       "kaisa_jax.value_and_grad(loss_fn); kaisa_jax.kfac(grad_fn.layers(params, batch), ...)"
       f"; got {type(layers).__name__}"
     )
-  hp.check_scalar("damping", damping, 0.0)
+  hp.check_scalar("damping", damping, 0.0, open_low=True)
   hp.check_scalar("factor_decay", factor_decay, 0.0, 1.0)
   hp.check_steps("factor_update_steps", factor_update_steps)
   inv_steps_at_zero = hp.check_steps("inv_update_steps", inv_update_steps)
   if kl_clip is not None:
-    hp.check_scalar("kl_clip", kl_clip, 0.0)
+    hp.check_scalar("kl_clip", kl_clip, 0.0, open_low=True)
     if lr is None:
       raise ValueError(
         "kl_clip needs the learning rate: pass lr= (the chained optimizer's), or kl_clip=None"
       )
   if lr is not None:
-    hp.check_scalar("lr", lr, 0.0)
+    hp.check_scalar("lr", lr, 0.0, open_low=True)
   if compute_method not in preconditioning.METHODS:
     raise ValueError(
       f"compute_method must be one of {preconditioning.METHODS}, got {compute_method!r}"
@@ -455,17 +490,27 @@ def kfac(
   if not jnp.issubdtype(factor_dtype, jnp.floating):
     raise TypeError(f"factor_dtype must be a floating dtype, got {factor_dtype!r}")
   if max_cost_ratio is not None:
-    hp.check_scalar("max_cost_ratio", max_cost_ratio, 0.0)
+    hp.check_scalar("max_cost_ratio", max_cost_ratio, 0.0, open_low=True)
   if assignment_cost not in assignment.COSTS:
     raise ValueError(f"assignment_cost must be one of {assignment.COSTS}, got {assignment_cost!r}")
   comm = _collectives(grad_worker_fraction, mesh, axis_name, axis_size)
 
+  # Layers were traced with one device's batch; the cost rule weighs the whole
+  # data-parallel batch, so a layer's treatment does not depend on the devices.
   treated = tuple(
-    (spec, cost.choose_treatment(spec, compute_method, inv_steps_at_zero, max_cost_ratio))
+    (
+      spec,
+      cost.choose_treatment(
+        dataclasses.replace(spec, rows=spec.rows * comm.size),
+        compute_method,
+        inv_steps_at_zero,
+        max_cost_ratio,
+      ),
+    )
     for spec in layers.specs
   )
   layout = assignment.make_layout(treated, comm.rows, comm.cols, assignment_cost)
-  plan = Plan(treated, layers.skipped, layout, inv_steps_at_zero)
+  plan = Plan(treated, layers.skipped, layout, inv_steps_at_zero, comm, mesh, factor_dtype)
   unsupported = [k for k in layers.skipped if k.reason != EXCLUDED]
   if unsupported:
     warnings.warn(
@@ -482,6 +527,9 @@ def kfac(
       factor_total=jnp.zeros([], jnp.float32),
       factors=jnp.zeros((rows, cols, layout.factor_size), factor_dtype),
       decompositions=jnp.zeros((rows, layout.cols, layout.decomposition_size), dec_dtype),
+      skipped_factor_updates=jnp.zeros([], jnp.int32),
+      failed_decompositions=jnp.zeros([], jnp.int32),
+      refresh=jnp.zeros([], bool),
     )
 
   def init_fn(params: Any) -> KFACState:
@@ -501,26 +549,21 @@ def kfac(
     damp = hp.at(damping, step, dec_dtype)
 
     every = hp.at(factor_update_steps, step, jnp.int32)
-    factors, total = jax.lax.cond(
+    decay = hp.at(factor_decay, step)
+    state = jax.lax.cond(
       step % every == 0,
-      lambda: update_factors(
-        plan,
-        state.factors,
-        state.factor_total,
-        curvature,
-        hp.at(factor_decay, step),
-        factor_dtype,
-        comm,
-      ),
-      lambda: (state.factors, state.factor_total),
+      lambda: update_factors(plan, state, curvature, decay, factor_dtype, comm),
+      lambda: state,
     )
     every = hp.at(inv_update_steps, step, jnp.int32)
-    decompositions = jax.lax.cond(
-      step % every == 0,
-      lambda: decompose_factors(plan, factors, damp, comm),
-      lambda: state.decompositions,
+    state = jax.lax.cond(
+      (step % every == 0) | state.refresh,
+      lambda: decompose_factors(plan, state, damp, comm),
+      lambda: state,
     )
-    preconditioned, vg_sum = precondition_grads(plan, grads, decompositions, damp, dec_dtype, comm)
+    preconditioned, vg_sum = precondition_grads(
+      plan, grads, state.decompositions, damp, dec_dtype, comm
+    )
     nu = 1.0
     if kl_clip is not None:
       nu = preconditioning.kl_clip_scale(
@@ -536,7 +579,7 @@ def kfac(
     new_updates = jax.tree_util.tree_map_with_path(
       lambda path, leaf: replacements.get(path, leaf), updates
     )
-    return new_updates, KFACState(step + 1, total, factors, decompositions)
+    return new_updates, state._replace(count=step + 1)
 
   tx = KFAC(init_fn, update_fn)
   tx.plan = plan
@@ -576,7 +619,7 @@ def state_partition_specs(state: KFACState) -> KFACState:
   owned = P(distribution.RECEIVERS, distribution.GRAD_WORKERS)
   group = P(distribution.RECEIVERS)
   del state
-  return KFACState(count=P(), factor_total=P(), factors=owned, decompositions=group)
+  return KFACState(P(), P(), owned, group, P(), P(), P())
 
 
 def partition_specs(tree: Any) -> Any:

@@ -25,6 +25,8 @@ LAYERS = GRAD_FN.layers(PARAMS, X)
   "kwargs, error, match",
   [
     (dict(damping=-1e-3), ValueError, "damping must lie in"),
+    (dict(damping=0.0), ValueError, r"damping must lie in \(0.0, inf\)"),
+    (dict(damping=lambda step: 0.0), ValueError, r"damping\(0\) must lie in \(0.0, inf\)"),
     (dict(damping="big"), TypeError, "damping must be a real number"),
     (dict(damping=lambda step: "x"), TypeError, r"damping\(0\) must be a real number"),
     (dict(damping=lambda step: jnp.ones(3)), TypeError, r"damping\(0\) must be a scalar"),
