@@ -71,18 +71,21 @@ class Layers:
   skipped: tuple[Skipped, ...] = ()
 
   def __str__(self) -> str:
+    w = max([28, *(len(x.name) + 1 for x in (*self.specs, *self.skipped))])
+    k = max([6, *(len(x.kind) for x in self.specs)])
     lines = [
-      f"{'layer':<28} {'kind':<6} {'kernel':<18} {'calls':>5} {'rows':>8} {'A':>16} {'G':>16}"
+      f"{'layer':<{w}} {'kind':<{k}} {'kernel':<18} {'calls':>5} {'rows':>8} {'A':>16} {'G':>16}"
     ]
     for s in self.specs:
-      a_shape = f"{s.groups}x{s.a_dim}x{s.a_dim}" if s.groups > 1 else f"{s.a_dim}x{s.a_dim}"
+      a_shape = f"{s.a_dim}" if s.layer_kind.diagonal_input else f"{s.a_dim}x{s.a_dim}"
+      a_shape = f"{s.groups}x{a_shape}" if s.groups > 1 else a_shape
       g_shape = f"{s.groups}x{s.g_dim}x{s.g_dim}" if s.groups > 1 else f"{s.g_dim}x{s.g_dim}"
       lines.append(
-        f"{s.name:<28} {s.kind:<6} {s.kernel_shape!s:<18} {s.calls:>5}"
+        f"{s.name:<{w}} {s.kind:<{k}} {s.kernel_shape!s:<18} {s.calls:>5}"
         f" {s.rows:>8} {a_shape:>16} {g_shape:>16}"
       )
-    for k in self.skipped:
-      lines.append(f"{k.name:<28} not preconditioned ({k.module_type}): {k.reason}")
+    for x in self.skipped:
+      lines.append(f"{x.name:<{w}} not preconditioned ({x.module_type}): {x.reason}")
     return "\n".join(lines)
 
 
@@ -91,6 +94,7 @@ class _Call:
   """One intercepted call of a supported layer, in call order."""
 
   name: str
+  method: str
   spec: layers_lib.LayerSpec | None
   out: jax.ShapeDtypeStruct
   rows: int
@@ -118,17 +122,19 @@ def _direct_params(module: nn.Module) -> dict[str, Any]:
   return {k: v for k, v in params.items() if not isinstance(v, dict | FrozenDict)}
 
 
-def _param_path(module: nn.Module, kernel: Array, leaf_paths: dict[int, tuple]) -> tuple[Any, ...]:
+def _param_path(
+  module: nn.Module, weight: str, own: dict[str, Any], leaf_paths: dict[int, tuple]
+) -> tuple[Any, ...]:
   """Where the layer's parameter dict sits in the params given to the loss.
 
-  The kernel is found by identity (the loss passed it through unchanged); a
+  The weight is found by identity (the loss passed it through unchanged); a
   loss that transforms its parameters (a dtype cast, say) is matched by module
   path instead.
   """
-  path = leaf_paths.get(id(kernel))
+  path = leaf_paths.get(id(own[weight]))
   if path is not None:
     return path[:-1]
-  suffix = (*module.path, "kernel")
+  suffix = (*module.path, weight)
   candidates = [
     p
     for p in leaf_paths.values()
@@ -188,8 +194,9 @@ def _trace(
     def interceptor(next_fun, call_args, call_kwargs, context):
       module = context.module
       name = _module_name(module)
-      kind = layers_lib.layer_kind(module)
-      if kind is None or context.method_name != "__call__":
+      method = context.method_name
+      kind = layers_lib.find_kind(module)
+      if kind is None or method not in dict(kind.methods):
         if kind is None and _direct_params(module) and name not in skipped:
           skipped[name] = Skipped(
             name, type(module).__name__, "unsupported layer type; gradients pass through"
@@ -197,7 +204,7 @@ def _trace(
         return next_fun(*call_args, **call_kwargs)
       out = next_fun(*call_args, **call_kwargs)
       own = _direct_params(module)
-      spec = None
+      spec, rows = None, 0
       if selection.selects(name):
         try:
           if _trace_of(out) is not outer:
@@ -205,20 +212,30 @@ def _trace(
               "applied inside a Flax lifted transformation (nn.scan, nn.remat, nn.vmap, ...),"
               " which is not supported yet"
             )
+          if not isinstance(out, jax.Array):
+            raise layers_lib.UnsupportedLayerError(
+              f"{method} returned {type(out).__name__}, not one array"
+            )
           spec = layers_lib.make_spec(
+            kind,
             module,
             name,
-            _param_path(module, own["kernel"], leaf_paths),
-            tuple(own["kernel"].shape),
-            "bias" in own,
+            _param_path(module, kind.weight, own, leaf_paths),
+            tuple(own[kind.weight].shape),
+            kind.bias in own,
           )
+          spec = dataclasses.replace(spec, methods=(method,))
+          side = spec.kernel_shape[: spec.in_ndim] if kind.transposed(method) else None
+          features = spec.g_dim * spec.groups if side is None else int(np.prod(side))
+          rows = out.size // features
         except layers_lib.UnsupportedLayerError as e:
           skipped[name] = Skipped(name, type(module).__name__, str(e))
       elif name not in skipped:
         skipped[name] = Skipped(name, type(module).__name__, EXCLUDED)
-      rows = int(np.prod(out.shape[:-1]))
       calls.append(
-        _Call(name, spec, jax.ShapeDtypeStruct(out.shape, out.dtype), rows, _varying_axes(out))
+        _Call(
+          name, method, spec, jax.ShapeDtypeStruct(out.shape, out.dtype), rows, _varying_axes(out)
+        )
       )
       return out
 
@@ -233,9 +250,11 @@ def _trace(
       continue
     prev = specs.get(c.name)
     if prev is None:
-      specs[c.name] = dataclasses.replace(c.spec, calls=1, rows=c.rows)
+      specs[c.name] = dataclasses.replace(c.spec, rows=c.rows)
     else:
-      specs[c.name] = dataclasses.replace(prev, calls=prev.calls + 1, rows=prev.rows + c.rows)
+      specs[c.name] = dataclasses.replace(
+        prev, methods=(*prev.methods, c.method), rows=prev.rows + c.rows
+      )
   return Layers(tuple(specs.values()), tuple(skipped.values())), calls
 
 
@@ -269,6 +288,7 @@ class ValueAndGrad:
   def __call__(self, params: Any, *args: Any, **kwargs: Any):
     registry, calls = _trace(self._fun, params, args, kwargs, self._selection)
     captured = {s.name for s in registry.specs}
+    methods = {s.name: s.methods for s in registry.specs}
     # Zero perturbations of the layer outputs. Under shard_map they must vary over
     # the same axes as the outputs: the gradient of an unvarying input would be
     # summed over the devices.
@@ -285,15 +305,15 @@ class ValueAndGrad:
 
       def interceptor(next_fun, call_args, call_kwargs, context):
         name = _module_name(context.module)
-        if name not in inputs or context.method_name != "__call__":
+        if name not in inputs or context.method_name not in methods[name]:
           return next_fun(*call_args, **call_kwargs)
         k = len(inputs[name])
-        if k >= len(perturbations[name]):
+        if k >= len(perturbations[name]) or methods[name][k] != context.method_name:
           raise RuntimeError(
-            f"kaisa_jax: layer {name!r} was called more often than when the loss was "
+            f"kaisa_jax: layer {name!r} was called differently than when the loss was "
             "traced; the loss must call its layers the same way every time."
           )
-        inputs[name].append(call_args[0] if call_args else call_kwargs["inputs"])
+        inputs[name].append(call_args[0] if call_args else next(iter(call_kwargs.values())))
         return next_fun(*call_args, **call_kwargs) + perturbations[name][k]
 
       with nn.intercept_methods(interceptor):
@@ -316,8 +336,8 @@ class ValueAndGrad:
     for spec in registry.specs:
       a, g = tuple(inputs[spec.name]), tuple(out_grads[spec.name])
       n = tuple(
-        jnp.asarray(self._n_examples or layers_lib.default_examples(spec, x), jnp.float32)
-        for x in a
+        jnp.asarray(self._n_examples or layers_lib.default_examples(spec, m, x), jnp.float32)
+        for m, x in zip(spec.methods, a, strict=True)
       )
       curvature[spec.name] = LayerCurvature(a, g, n)
     value = (loss, aux) if self._has_aux else loss
@@ -336,8 +356,11 @@ def value_and_grad(
 
   ``fun(params, *args, **kwargs)`` must compute the loss by calling a Flax
   linen model's ``apply`` with ``params`` (the whole variables dict, or the
-  ``params`` collection that the loss wraps). Every ``nn.Dense`` and ``nn.Conv``
-  called inside it is captured, wherever it is nested. The result is a
+  ``params`` collection that the loss wraps). Every ``nn.Dense``,
+  ``nn.DenseGeneral`` (attention projections included), ``nn.Conv`` and
+  ``nn.Embed`` (lookups and ``attend``) called inside it is captured, wherever
+  it is nested, as is every layer type given to `kaisa_jax.register_layer`.
+  The result is a
   callable returning ``(value, grads, curvature)``, where ``value`` is the loss
   (or ``(loss, aux)`` with ``has_aux``), ``grads`` the gradient with respect to
   ``params``, and ``curvature`` the layers' inputs and output gradients, to be

@@ -17,7 +17,8 @@ For a layer with ``r`` rows per step, groups of factor sizes ``a = a_dim`` and
 whose preconditioning and amortised decompositions would cost more than
 ``max_cost_ratio`` times its own forward and backward pass gets the first
 cheaper treatment that fits, in order of faithfulness: the inverse method, the
-larger side diagonal, both sides diagonal. Factor statistics are left out of
+larger side diagonal, both sides diagonal. An embedding's input side is always
+diagonal (its inputs are one-hot). Factor statistics are left out of
 the rule: their cost is set by ``factor_update_steps``, which the user picks.
 """
 
@@ -92,6 +93,11 @@ def step_cost_ratio(spec: layers_lib.LayerSpec, t: Treatment, inv_update_steps: 
 
 def candidates(spec: layers_lib.LayerSpec, method: str) -> list[Treatment]:
   """Treatments from the most faithful to the cheapest."""
+  if spec.layer_kind.diagonal_input:  # one-hot inputs: A is diagonal by nature
+    out = [Treatment(method, (True, False))]
+    if method == preconditioning.EIGEN:
+      out.append(Treatment(preconditioning.INVERSE, (True, False)))
+    return [*out, Treatment(method, (True, True))]
   larger = (True, False) if spec.a_dim >= spec.g_dim else (False, True)
   out = [Treatment(method)]
   if method == preconditioning.EIGEN:

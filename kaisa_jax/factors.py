@@ -9,6 +9,15 @@ Multiplying ``g`` by ``n`` makes ``G`` a per-example quantity, so ``damping``
 means the same at every batch size. A layer applied several times in a step
 averages the factors of its calls. A diagonal side keeps only the diagonal.
 
+Weight sharing (Eschenhagen et al., 2023, "Kronecker-Factored Approximate
+Curvature for Modern Neural Network Architectures"): when one example has
+several rows that share the weight (sequence positions, output pixels), the
+``"expand"`` variant (default) counts every position as a row, as above. The
+``"reduce"`` variant first reduces each example's rows, the inputs by their
+mean and the output gradients by their sum, then
+``A = mean_examples a~ a~^T`` and ``G = (1/n) sum_examples (n g~)(n g~)^T``:
+cheaper, and exact for a linear layer whose output is summed over positions.
+
 Running average: the factors start at zero and are averaged with bias
 correction, ``F <- F + w (F_batch - F)`` with ``w = (1 - decay) / W`` and
 ``W <- decay W + (1 - decay)`` (``W`` starts at 0). With a constant decay this
@@ -32,6 +41,11 @@ Array = jax.Array
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
+EXPAND = "expand"
+REDUCE = "reduce"
+WEIGHT_SHARING = (EXPAND, REDUCE)
+
+
 def second_moment(rows: Array, scale: Array | float, diagonal: bool) -> Array:
   """``scale * rows^T rows`` per group: ``(groups, d, d)``, or its diagonal."""
   if diagonal:
@@ -39,21 +53,58 @@ def second_moment(rows: Array, scale: Array | float, diagonal: bool) -> Array:
   return scale * jnp.einsum("grd,gre->gde", rows, rows, precision=HIGHEST)
 
 
+def activation_factor(rows: Array, diagonal: bool, sharing: str) -> Array:
+  """``A`` from ``(groups, examples, positions, d)`` rows of layer inputs.
+
+  ``"expand"``: every position is a row, ``A = mean_rows a a^T``.
+  ``"reduce"``: the mean over positions is the example's row.
+  """
+  rows = rows.mean(axis=2) if sharing == REDUCE else rows.reshape(rows.shape[0], -1, rows.shape[-1])
+  return second_moment(rows, 1.0 / rows.shape[1], diagonal)
+
+
+def gradient_factor(rows: Array, n: Array, diagonal: bool, sharing: str) -> Array:
+  """``G = (1/n) sum_rows (n g)(n g)^T`` from ``(groups, examples, positions, d)`` rows.
+
+  ``"reduce"`` sums the gradients over positions first: one row per example.
+  """
+  rows = rows.sum(axis=2) if sharing == REDUCE else rows.reshape(rows.shape[0], -1, rows.shape[-1])
+  return second_moment(rows, n.astype(rows.dtype), diagonal)
+
+
 def batch_factors(
   spec: layers_lib.LayerSpec,
   curvature: LayerCurvature,
   diagonal: tuple[bool, bool],
   dtype: Any,
+  sharing: str = EXPAND,
 ) -> tuple[Array, Array]:
-  """The factors ``(A, G)`` of the current batch for one layer."""
+  """The factors ``(A, G)`` of the current batch for one layer, averaged over its calls.
+
+  A call that uses the weight transposed (``Embed.attend``) contributes its
+  output gradients to ``A`` and its inputs to ``G``. A kind whose inputs are
+  one-hot (``Embed``) gives the diagonal of ``A`` from counts; it is always
+  expanded.
+  """
+  kind = spec.layer_kind
   a_sum = g_sum = 0.0
-  for a, g, n in zip(curvature.a, curvature.g, curvature.n, strict=True):
-    a_rows = layers_lib.input_rows(spec, a, dtype)
-    g_rows = layers_lib.output_rows(spec, g, dtype)
-    a_sum = a_sum + second_moment(a_rows, 1.0 / a_rows.shape[1], diagonal[0])
-    g_sum = g_sum + second_moment(g_rows, n.astype(dtype), diagonal[1])
-  calls = len(curvature.a)
-  return a_sum / calls, g_sum / calls
+  for method, a, g, n in zip(spec.methods, curvature.a, curvature.g, curvature.n, strict=True):
+    g_rows = layers_lib.output_rows(spec, method, g, dtype)
+    if kind.transposed(method):
+      a_part = gradient_factor(g_rows, n, diagonal[0], sharing)
+      a_rows = layers_lib.input_rows(spec, method, a, dtype)
+      g_part = activation_factor(a_rows, diagonal[1], sharing)
+    else:
+      if kind.diagonal_input:
+        counts, total = kind.input_diagonal(spec, method, a)
+        a_part = counts.astype(dtype) / total.astype(dtype)
+      else:
+        a_part = activation_factor(
+          layers_lib.input_rows(spec, method, a, dtype), diagonal[0], sharing
+        )
+      g_part = gradient_factor(g_rows, n, diagonal[1], sharing)
+    a_sum, g_sum = a_sum + a_part, g_sum + g_part
+  return a_sum / spec.calls, g_sum / spec.calls
 
 
 def running_average(old: Array, new: Array, weight: Array) -> Array:

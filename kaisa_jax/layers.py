@@ -1,22 +1,38 @@
-"""Layer kinds: what each supported Flax layer contributes to K-FAC.
+"""Layer kinds: what each supported layer contributes to K-FAC, and how to add one.
 
-A layer computes ``s = a W (+ b)`` on every row of its input. K-FAC needs
+A layer computes ``s = a W (+ b)`` on every row of its input, with ``W`` the
+weight seen as a matrix of shape ``(in, out)``. K-FAC needs, for each call,
 
-* rows of the layer input ``a`` with a trailing ``1`` when the layer has a bias
-  (the bias is folded into the weight as an extra input row),
+* rows of the layer input ``a`` (a trailing ``1`` is appended when the layer
+  has a bias: the bias is folded into the weight as an extra input row),
 * rows of the gradient ``g = dL/ds`` at the layer output,
-* the gradient of the weight as a matrix ``V`` laid out ``(in, out)`` like a
-  Flax kernel, bias last.
 
-Every kind here maps its input, output gradient and parameters onto those three
-arrays, each with a leading ``groups`` axis (1 except for grouped convolutions,
-whose groups are independent layers as far as K-FAC is concerned):
+each as ``(groups, examples, positions, features)``: the leading ``groups``
+axis is 1 except for grouped convolutions (whose groups are independent layers
+as far as K-FAC is concerned); ``positions`` are the rows of one example that
+share the weight (sequence positions, output pixels), 1 for a plain dense layer
+on a batch of vectors. The weight itself is reshaped to ``(in, out)``: its first
+``in_ndim`` axes are the input side.
+
+Built-in kinds:
 
 * ``nn.Dense``: all leading axes of the input are rows.
-* ``nn.Conv`` (1, 2 or 3 spatial dims): rows are examples x output positions; the
-  input rows are the input patches seen by the kernel at each output position
-  (KFC, Grosse & Martens 2016), flattened in the kernel's own
+* ``nn.DenseGeneral`` (and so the query, key, value and output projections of
+  ``nn.MultiHeadDotProductAttention``): the contracted input axes are the
+  input features, the ``features`` axes the output features, every other axis
+  is rows. ``batch_dims`` is not supported.
+* ``nn.Conv`` (1, 2 or 3 spatial dims): rows are examples x output positions;
+  the input rows are the input patches seen by the kernel at each output
+  position (KFC, Grosse & Martens 2016), flattened in the kernel's own
   ``(*kernel_size, in_features // groups)`` order.
+* ``nn.Embed``: ``W`` is the embedding ``(vocab, features)``; a lookup's input
+  rows are one-hot token vectors, so its input factor is diagonal (the token
+  frequencies) and is computed from counts, never from one-hot rows.
+  ``Embed.attend`` (logits of tied input/output embeddings) uses the transposed
+  weight: its input ``x`` lies on the features side and its output gradient
+  on the vocabulary side, so both uses accumulate into the same two factors.
+
+Your own layer: `register_layer`.
 """
 
 from __future__ import annotations
@@ -24,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -34,7 +51,10 @@ Array = jax.Array
 KeyPath = tuple[Any, ...]
 
 DENSE = "dense"
+DENSE_GENERAL = "dense_general"
 CONV = "conv"
+EMBED = "embed"
+CALL = "__call__"
 
 
 class UnsupportedLayerError(ValueError):
@@ -59,13 +79,15 @@ class LayerSpec:
   Attributes:
     name: the module path joined by ``/`` (``"encoder/Dense_0"``).
     param_path: the key path, in the params tree given to the loss function, of
-      the dict that holds the layer's ``kernel`` (and ``bias``).
-    kind: ``"dense"`` or ``"conv"``.
-    kernel_shape: the shape of the layer's kernel.
+      the dict that holds the layer's weight (and bias).
+    kind: the name of its `LayerKind` (``"dense"``, ``"conv"``, ...).
+    kernel_shape: the shape of the layer's weight.
     has_bias: whether the layer has a bias.
+    in_ndim: how many leading axes of the weight are its input side.
     groups: independent groups (``feature_group_count`` of a convolution).
-    conv: the convolution's configuration, ``None`` for dense layers.
-    calls: how many times the layer is applied in one loss evaluation.
+    conv: the convolution's configuration, ``None`` for other layers.
+    contract: the contracted input axes of a ``DenseGeneral``, as it gives them.
+    methods: the method of each call in one loss evaluation, in call order.
     rows: rows per step (all calls) in the batch the layers were traced with;
       used only to estimate costs.
   """
@@ -75,38 +97,139 @@ class LayerSpec:
   kind: str
   kernel_shape: tuple[int, ...]
   has_bias: bool
+  in_ndim: int = 1
   groups: int = 1
   conv: ConvConfig | None = None
-  calls: int = 1
+  contract: tuple[int, ...] = (-1,)
+  methods: tuple[str, ...] = (CALL,)
   rows: int = dataclasses.field(default=0, compare=False)
+
+  @property
+  def calls(self) -> int:
+    """How many times the layer is applied in one loss evaluation."""
+    return len(self.methods)
 
   @property
   def a_dim(self) -> int:
     """Size of the input factor ``A`` of one group."""
-    return math.prod(self.kernel_shape[:-1]) + int(self.has_bias)
+    return math.prod(self.kernel_shape[: self.in_ndim]) + int(self.has_bias)
 
   @property
   def g_dim(self) -> int:
     """Size of the output factor ``G`` of one group."""
-    return self.kernel_shape[-1] // self.groups
+    return math.prod(self.kernel_shape[self.in_ndim :]) // self.groups
 
   @property
   def num_weights(self) -> int:
     return self.groups * self.a_dim * self.g_dim
 
+  @property
+  def layer_kind(self) -> LayerKind:
+    return KINDS[self.kind]
 
-def layer_kind(module: nn.Module) -> str | None:
-  """The kind of a Flax module, or ``None`` when it is not a supported layer.
 
-  A subclass counts only if it keeps the parent's ``__call__``: a layer that
-  computes something else must not be mistaken for a dense or a convolution.
+def _as_rows(x: Array, batched: bool, features: int) -> Array:
+  """``(1, examples, positions, features)``: the leading axis is the examples if ``batched``."""
+  examples = x.shape[0] if batched else 1
+  return x.reshape(1, examples, -1, features)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerKind:
+  """How K-FAC reads one type of layer: the extension point (see `register_layer`).
+
+  Attributes:
+    name: the kind's name, shown in listings.
+    module_type: the Flax module class; a subclass counts only if it keeps the
+      class's methods (a layer that computes something else must not be
+      mistaken for this one).
+    describe: ``describe(module, weight_shape) -> dict`` of `LayerSpec` fields
+      beyond name, path, weight shape and bias (``in_ndim``, ``groups``, ...);
+      raises `UnsupportedLayerError` for a configuration it cannot handle.
+    input_rows: ``input_rows(spec, method, x) -> (groups, examples, positions,
+      in)``: the call's input as rows of ``a`` (without the bias column).
+    output_rows: ``output_rows(spec, method, g)``: the gradient at the call's
+      output as rows ``(groups, examples, positions, out)``.
+    weight: the name of the weight parameter.
+    bias: the name of the bias parameter.
+    methods: the module methods that apply the layer, each mapped to whether
+      it uses the weight transposed (its input on the output side).
+    diagonal_input: the input factor is diagonal by nature (one-hot inputs);
+      ``input_diagonal(spec, method, x)`` then gives ``sum_rows a * a`` and the
+      row count without materialising rows.
+    input_diagonal: see ``diagonal_input``.
+    unbatched_ndim: ``unbatched_ndim(spec, method)``, the rank of one
+      example's input; a larger input has a leading batch axis, which is ``n``
+      by default.
   """
-  call = type(module).__call__
-  if isinstance(module, nn.Dense) and call is nn.Dense.__call__:
-    return DENSE
-  if isinstance(module, nn.Conv) and call is nn.Conv.__call__:
-    return CONV
-  return None
+
+  name: str
+  module_type: type
+  describe: Callable[[nn.Module, tuple[int, ...]], dict[str, Any]]
+  input_rows: Callable[[LayerSpec, str, Array], Array]
+  output_rows: Callable[[LayerSpec, str, Array], Array]
+  weight: str = "kernel"
+  bias: str = "bias"
+  methods: tuple[tuple[str, bool], ...] = ((CALL, False),)
+  diagonal_input: bool = False
+  input_diagonal: Callable[[LayerSpec, str, Array], tuple[Array, Array]] | None = None
+  unbatched_ndim: Callable[[LayerSpec, str], int] = lambda spec, method: spec.in_ndim
+
+  def transposed(self, method: str) -> bool:
+    return dict(self.methods)[method]
+
+  def matches(self, module: nn.Module) -> bool:
+    if not isinstance(module, self.module_type):
+      return False
+    cls = type(module)
+    return all(getattr(cls, m) is getattr(self.module_type, m) for m, _ in self.methods)
+
+
+# ----------------------------------------------------------------------------- dense
+
+
+def _dense_describe(module: nn.Module, shape: tuple[int, ...]) -> dict[str, Any]:
+  del module, shape
+  return {}
+
+
+def _dense_in(spec: LayerSpec, method: str, x: Array) -> Array:
+  return _as_rows(x, x.ndim > 1, spec.kernel_shape[0])
+
+
+def _dense_out(spec: LayerSpec, method: str, g: Array) -> Array:
+  return _as_rows(g, g.ndim > 1, spec.kernel_shape[-1])
+
+
+# --------------------------------------------------------------------- dense general
+
+
+def _general_describe(module: nn.Module, shape: tuple[int, ...]) -> dict[str, Any]:
+  if module.batch_dims:
+    raise UnsupportedLayerError("nn.DenseGeneral with batch_dims is not supported")
+  if module.dot_general is not None or module.dot_general_cls is not None:
+    raise UnsupportedLayerError("nn.DenseGeneral with a custom dot_general is not supported")
+  axis = tuple(module.axis) if isinstance(module.axis, tuple | list) else (module.axis,)
+  return {"in_ndim": len(axis), "contract": axis}
+
+
+def _general_contract(spec: LayerSpec, x: Array) -> tuple[int, ...]:
+  return tuple(a % x.ndim for a in spec.contract)
+
+
+def _general_in(spec: LayerSpec, method: str, x: Array) -> Array:
+  axes = _general_contract(spec, x)
+  moved = jnp.moveaxis(x, axes, tuple(range(x.ndim - len(axes), x.ndim)))
+  batched = 0 not in axes and x.ndim > len(axes)
+  return _as_rows(moved, batched, math.prod(spec.kernel_shape[: spec.in_ndim]))
+
+
+def _general_out(spec: LayerSpec, method: str, g: Array) -> Array:
+  out_ndim = len(spec.kernel_shape) - spec.in_ndim
+  return _as_rows(g, g.ndim > out_ndim, spec.g_dim)
+
+
+# ---------------------------------------------------------------------- convolution
 
 
 def _as_tuple(value: Any, rank: int) -> tuple[int, ...]:
@@ -128,39 +251,20 @@ def _padding(padding: Any, rank: int) -> str | tuple[tuple[int, int], ...]:
   return tuple(pads)
 
 
-def make_spec(
-  module: nn.Module,
-  name: str,
-  param_path: KeyPath,
-  kernel_shape: tuple[int, ...],
-  has_bias: bool,
-) -> LayerSpec:
-  """Describes a supported module, or raises `UnsupportedLayerError`."""
-  kind = layer_kind(module)
-  if kind == DENSE:
-    return LayerSpec(name, param_path, DENSE, kernel_shape, has_bias)
-  if kind != CONV:
-    raise UnsupportedLayerError(f"{type(module).__name__} is not a supported layer")
+def _conv_describe(module: nn.Module, shape: tuple[int, ...]) -> dict[str, Any]:
   if module.mask is not None:
     raise UnsupportedLayerError("nn.Conv with a `mask` is not supported")
   if module.conv_general_dilated is not None or module.conv_general_dilated_cls:
     raise UnsupportedLayerError("nn.Conv with a custom convolution is not supported")
-  rank = len(kernel_shape) - 2
+  rank = len(shape) - 2
   config = ConvConfig(
-    kernel_size=tuple(kernel_shape[:rank]),
+    kernel_size=tuple(shape[:rank]),
     strides=_as_tuple(module.strides, rank),
     padding=_padding(module.padding, rank),
     input_dilation=_as_tuple(module.input_dilation, rank),
     kernel_dilation=_as_tuple(module.kernel_dilation, rank),
   )
-  groups = module.feature_group_count
-  return LayerSpec(name, param_path, CONV, kernel_shape, has_bias, groups, config)
-
-
-def default_examples(spec: LayerSpec, inputs: Array) -> int:
-  """Examples the loss averages over by default: the input's leading axis."""
-  unbatched_rank = 1 if spec.kind == DENSE else len(spec.kernel_shape) - 1
-  return inputs.shape[0] if inputs.ndim > unbatched_rank else 1
+  return {"in_ndim": rank + 1, "groups": module.feature_group_count, "conv": config}
 
 
 def _pad_like_flax(x: Array, config: ConvConfig) -> Array:
@@ -188,15 +292,13 @@ def _pad_like_flax(x: Array, config: ConvConfig) -> Array:
   return jax.lax.pad(x, zero, [(0, 0, 0), *((lo, hi, 0) for lo, hi in pads), (0, 0, 0)])
 
 
-def _conv_patches(spec: LayerSpec, inputs: Array, dtype: Any) -> Array:
-  """Input patches of a convolution, shape ``(rows, prod(kernel_size), in_features)``.
-
-  One strided slice of the padded input per kernel tap: data movement only.
-  """
+def _conv_in(spec: LayerSpec, method: str, inputs: Array) -> Array:
+  """Input patches, one strided slice of the padded input per kernel tap (data movement only)."""
   config = spec.conv
   assert config is not None
   rank = len(config.kernel_size)
-  x = inputs.astype(dtype).reshape(-1, *inputs.shape[inputs.ndim - rank - 1 :])
+  examples = inputs.shape[0] if inputs.ndim > rank + 1 else 1
+  x = inputs.reshape(-1, *inputs.shape[inputs.ndim - rank - 1 :])
   x = _pad_like_flax(x, config)
   out = [
     (size - ((k - 1) * d + 1)) // s + 1
@@ -211,47 +313,196 @@ def _conv_patches(spec: LayerSpec, inputs: Array, dtype: Any) -> Array:
     taps.append(
       jax.lax.slice(x, (0, *start, 0), (x.shape[0], *limit, x.shape[-1]), (1, *config.strides, 1))
     )
-  patches = jnp.stack(taps, axis=-2)
-  return patches.reshape(-1, len(taps), x.shape[-1])
+  patches = jnp.stack(taps, axis=-2)  # (..., taps, in_features)
+  per_group = x.shape[-1] // spec.groups
+  patches = patches.reshape(examples, -1, len(taps), spec.groups, per_group)
+  return patches.transpose(3, 0, 1, 2, 4).reshape(spec.groups, examples, -1, len(taps) * per_group)
 
 
-def input_rows(spec: LayerSpec, inputs: Array, dtype: Any) -> Array:
-  """Rows of ``[a, 1]``, shape ``(groups, rows, a_dim)``."""
-  if spec.kind == DENSE:
-    rows = inputs.astype(dtype).reshape(1, -1, spec.kernel_shape[0])
-  else:
-    patches = _conv_patches(spec, inputs, dtype)
-    num_rows, taps, in_features = patches.shape
-    per_group = in_features // spec.groups
-    patches = patches.reshape(num_rows, taps, spec.groups, per_group)
-    rows = patches.transpose(2, 0, 1, 3).reshape(spec.groups, num_rows, taps * per_group)
-  if spec.has_bias:
+def _conv_out(spec: LayerSpec, method: str, g: Array) -> Array:
+  rank = len(spec.kernel_shape) - 2
+  examples = g.shape[0] if g.ndim > rank + 1 else 1
+  return g.reshape(examples, -1, spec.groups, spec.g_dim).transpose(2, 0, 1, 3)
+
+
+# ------------------------------------------------------------------------ embedding
+
+
+def _embed_describe(module: nn.Module, shape: tuple[int, ...]) -> dict[str, Any]:
+  if module.num_embeddings == 1:
+    raise UnsupportedLayerError("nn.Embed with num_embeddings=1 broadcasts; not supported")
+  return {}
+
+
+def _embed_in(spec: LayerSpec, method: str, x: Array) -> Array:
+  if method == CALL:
+    raise UnsupportedLayerError("an embedding lookup's input factor is diagonal only")
+  return _as_rows(x, x.ndim > 1, spec.kernel_shape[1])
+
+
+def _embed_out(spec: LayerSpec, method: str, g: Array) -> Array:
+  features = spec.kernel_shape[1] if method == CALL else spec.kernel_shape[0]
+  return _as_rows(g, g.ndim > 1, features)
+
+
+def _embed_counts(spec: LayerSpec, method: str, ids: Array) -> tuple[Array, Array]:
+  """``sum_rows onehot * onehot`` (the token counts) and the number of rows."""
+  counts = jnp.zeros((1, spec.kernel_shape[0]), jnp.float32).at[0, ids.reshape(-1)].add(1.0)
+  return counts, jnp.asarray(ids.size, jnp.float32)
+
+
+BUILTIN_KINDS = (
+  LayerKind(DENSE, nn.Dense, _dense_describe, _dense_in, _dense_out),
+  LayerKind(DENSE_GENERAL, nn.DenseGeneral, _general_describe, _general_in, _general_out),
+  LayerKind(
+    CONV,
+    nn.Conv,
+    _conv_describe,
+    _conv_in,
+    _conv_out,
+    unbatched_ndim=lambda spec, method: len(spec.kernel_shape) - 1,
+  ),
+  LayerKind(
+    EMBED,
+    nn.Embed,
+    _embed_describe,
+    _embed_in,
+    _embed_out,
+    weight="embedding",
+    methods=((CALL, False), ("attend", True)),
+    diagonal_input=True,
+    input_diagonal=_embed_counts,
+    unbatched_ndim=lambda spec, method: 0 if method == CALL else 1,
+  ),
+)
+KINDS: dict[str, LayerKind] = {k.name: k for k in BUILTIN_KINDS}
+_REGISTERED: list[LayerKind] = []
+
+
+def register_layer(
+  module_type: type,
+  *,
+  weight: str = "kernel",
+  bias: str = "bias",
+  in_ndim: int = 1,
+  inputs: Callable[[Array], Array] | None = None,
+  outputs: Callable[[Array], Array] | None = None,
+  method: str = CALL,
+) -> LayerKind:
+  """Registers a custom Flax linen layer so that K-FAC preconditions it.
+
+  The layer must compute ``s = a W (+ b)`` row by row: ``W`` is the parameter
+  ``weight``, whose first ``in_ndim`` axes are the input side and the rest the
+  output side; ``b`` (the parameter ``bias``, if the layer has one) has the
+  output side's shape. By default a call's input ``x`` and its output's
+  gradient are taken as they are, their trailing axes being the features
+  (``W.shape[:in_ndim]`` and ``W.shape[in_ndim:]``) and their leading axis the
+  batch. Pass ``inputs`` (or ``outputs``) to map them into that form first,
+  e.g. ``inputs=lambda x: jnp.swapaxes(x, 1, 2)`` for a layer that contracts
+  axis 1.
+
+  Args:
+    module_type: the module class (its subclasses count when they keep its
+      ``method``).
+    weight: the name of the weight parameter.
+    bias: the name of the bias parameter (absent parameters are fine).
+    in_ndim: how many leading axes of the weight are its input side.
+    inputs: maps a call's input to ``(batch, ..., *W.shape[:in_ndim])``.
+    outputs: maps the output gradient to ``(batch, ..., *W.shape[in_ndim:])``.
+    method: the method that applies the layer.
+
+  Returns:
+    The registered `LayerKind`; registering a type again replaces it.
+  """
+  if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+    raise TypeError(f"register_layer needs a flax.linen Module class, got {module_type!r}")
+  if not isinstance(in_ndim, int) or in_ndim < 1:
+    raise ValueError(f"in_ndim must be a positive int, got {in_ndim!r}")
+  if not callable(getattr(module_type, method, None)):
+    raise ValueError(f"{module_type.__name__} has no method {method!r}")
+  to_in = inputs or (lambda x: x)
+  to_out = outputs or (lambda g: g)
+
+  def rows(x: Array, features: tuple[int, ...]) -> Array:
+    if tuple(x.shape[x.ndim - len(features) :]) != features:
+      raise ValueError(
+        f"a registered {module_type.__name__} gave an array of shape {x.shape}, whose "
+        f"trailing axes should be {features}: check in_ndim, inputs and outputs"
+      )
+    return _as_rows(x, x.ndim > len(features), math.prod(features))
+
+  kind = LayerKind(
+    f"{module_type.__module__}.{module_type.__qualname__}",
+    module_type,
+    lambda module, shape: {"in_ndim": in_ndim},
+    lambda spec, m, x: rows(to_in(x), spec.kernel_shape[: spec.in_ndim]),
+    lambda spec, m, g: rows(to_out(g), spec.kernel_shape[spec.in_ndim :]),
+    weight=weight,
+    bias=bias,
+    methods=((method, False),),
+  )
+  _REGISTERED[:] = [k for k in _REGISTERED if k.module_type is not module_type] + [kind]
+  KINDS[kind.name] = kind
+  return kind
+
+
+def find_kind(module: nn.Module, method: str | None = None) -> LayerKind | None:
+  """The kind of a module (and method), registered kinds first; ``None`` if unsupported."""
+  for kind in (*reversed(_REGISTERED), *BUILTIN_KINDS):
+    if kind.matches(module):
+      return kind if method is None or method in dict(kind.methods) else None
+  return None
+
+
+def make_spec(
+  kind: LayerKind,
+  module: nn.Module,
+  name: str,
+  param_path: KeyPath,
+  kernel_shape: tuple[int, ...],
+  has_bias: bool,
+) -> LayerSpec:
+  """Describes a supported module, or raises `UnsupportedLayerError`."""
+  return LayerSpec(
+    name, param_path, kind.name, kernel_shape, has_bias, **kind.describe(module, kernel_shape)
+  )
+
+
+def default_examples(spec: LayerSpec, method: str, inputs: Array) -> int:
+  """Examples the loss averages over by default: the input's leading axis."""
+  return inputs.shape[0] if inputs.ndim > spec.layer_kind.unbatched_ndim(spec, method) else 1
+
+
+def input_rows(spec: LayerSpec, method: str, inputs: Array, dtype: Any) -> Array:
+  """Rows of ``[a, 1]``, shape ``(groups, examples, positions, in)``."""
+  rows = spec.layer_kind.input_rows(spec, method, inputs.astype(dtype))
+  if spec.has_bias and not spec.layer_kind.transposed(method):
     ones = jnp.ones((*rows.shape[:-1], 1), dtype)
     rows = jnp.concatenate([rows, ones], axis=-1)
   return rows
 
 
-def output_rows(spec: LayerSpec, out_grad: Array, dtype: Any) -> Array:
-  """Rows of the output gradient, shape ``(groups, rows, g_dim)``."""
-  rows = out_grad.astype(dtype).reshape(-1, spec.groups, spec.g_dim)
-  return rows.transpose(1, 0, 2)
+def output_rows(spec: LayerSpec, method: str, out_grad: Array, dtype: Any) -> Array:
+  """Rows of the output gradient, shape ``(groups, examples, positions, out)``."""
+  return spec.layer_kind.output_rows(spec, method, out_grad.astype(dtype))
 
 
 def to_matrix(spec: LayerSpec, layer_grads: dict[str, Array], dtype: Any) -> Array:
   """The layer's gradient as ``V`` of shape ``(groups, a_dim, g_dim)``."""
-  kernel = layer_grads["kernel"].astype(dtype)
+  kind = spec.layer_kind
+  kernel = layer_grads[kind.weight].astype(dtype)
   v = kernel.reshape(-1, spec.groups, spec.g_dim).transpose(1, 0, 2)
   if spec.has_bias:
-    bias = layer_grads["bias"].astype(dtype).reshape(spec.groups, 1, spec.g_dim)
+    bias = layer_grads[kind.bias].astype(dtype).reshape(spec.groups, 1, spec.g_dim)
     v = jnp.concatenate([v, bias], axis=1)
   return v
 
 
 def from_matrix(spec: LayerSpec, v: Array) -> dict[str, Array]:
   """Inverse of `to_matrix` (without the dtype cast)."""
+  kind = spec.layer_kind
   weights = v[:, : v.shape[1] - int(spec.has_bias)]
-  kernel = weights.transpose(1, 0, 2).reshape(spec.kernel_shape)
-  out = {"kernel": kernel}
+  out = {kind.weight: weights.transpose(1, 0, 2).reshape(spec.kernel_shape)}
   if spec.has_bias:
-    out["bias"] = v[:, -1].reshape(-1)
+    out[kind.bias] = v[:, -1].reshape(spec.kernel_shape[spec.in_ndim :])
   return out

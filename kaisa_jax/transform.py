@@ -100,8 +100,10 @@ class Plan:
   factor_dtype: Any
 
   def __str__(self) -> str:
+    w = max([28, *(len(x.name) + 1 for x in (*(s for s, _ in self.layers), *self.skipped))])
+    k = max([6, *(len(s.kind) for s, _ in self.layers)])
     lines = [
-      f"{'layer':<28} {'kind':<6} {'A':>12} {'G':>12}  {'treatment':<22} {'cost/layer':>10}"
+      f"{'layer':<{w}} {'kind':<{k}} {'A':>12} {'G':>12}  {'treatment':<22} {'cost/layer':>10}"
       f" {'group':>5} {'worker':>6}"
     ]
     for (spec, t), (row, col) in zip(self.layers, self.layout.owners, strict=True):
@@ -111,11 +113,11 @@ class Plan:
         sides.append(f"{spec.groups}x{shape}" if spec.groups > 1 else shape)
       ratio = cost.step_cost_ratio(spec, t, self.inv_update_steps)
       lines.append(
-        f"{spec.name:<28} {spec.kind:<6} {sides[0]:>12} {sides[1]:>12}  {t!s:<22}"
+        f"{spec.name:<{w}} {spec.kind:<{k}} {sides[0]:>12} {sides[1]:>12}  {t!s:<22}"
         f" {ratio:>9.2f}x {row:>5} {col:>6}"
       )
-    for k in self.skipped:
-      lines.append(f"{k.name:<28} not preconditioned ({k.module_type}): {k.reason}")
+    for x in self.skipped:
+      lines.append(f"{x.name:<{w}} not preconditioned ({x.module_type}): {x.reason}")
     layout = self.layout
     real = sum(assignment.size(assignment.factor_shapes(s, t)) for s, t in self.layers)
     slack = layout.devices * layout.factor_size / max(real, 1) - 1
@@ -139,7 +141,8 @@ def _layer_params(tree: Any, plan: Plan, what: str) -> dict[str, dict[str, Array
   out = {}
   for spec, _ in plan.layers:
     entry = {}
-    for key in ("kernel", "bias") if spec.has_bias else ("kernel",):
+    kind = spec.layer_kind
+    for key in (kind.weight, kind.bias) if spec.has_bias else (kind.weight,):
       path = (*spec.param_path, jax.tree_util.DictKey(key))
       leaf = leaves.get(path)
       if leaf is None:
@@ -148,7 +151,7 @@ def _layer_params(tree: Any, plan: Plan, what: str) -> dict[str, dict[str, Array
           f"{jax.tree_util.keystr(path)}: were kfac's layers traced from this model "
           "and the same params structure?"
         )
-      expected = spec.kernel_shape if key == "kernel" else (spec.kernel_shape[-1],)
+      expected = spec.kernel_shape if key == kind.weight else spec.kernel_shape[spec.in_ndim :]
       if tuple(leaf.shape) != expected:
         raise ValueError(
           f"the {what} for layer {spec.name!r} {key} have shape {tuple(leaf.shape)}, "
@@ -179,19 +182,36 @@ def _check_curvature(curvature: Any, plan: Plan) -> None:
     )
   for spec, _ in plan.layers:
     entry = curvature[spec.name]
-    in_features = spec.kernel_shape[-2] * spec.groups
     if len(entry.a) != spec.calls:
       raise ValueError(
         f"layer {spec.name!r} was called {len(entry.a)} times, but {spec.calls} "
         "times when kfac's layers were traced"
       )
-    for a, g in zip(entry.a, entry.g, strict=True):
-      if a.shape[-1] != in_features or g.shape[-1] != spec.kernel_shape[-1]:
-        raise ValueError(
-          f"the curvature of layer {spec.name!r} has input features {a.shape[-1]} and "
-          f"output features {g.shape[-1]}; kfac's layers expect {in_features} and "
-          f"{spec.kernel_shape[-1]}"
-        )
+    for method, a, g in zip(spec.methods, entry.a, entry.g, strict=True):
+      _check_call(spec, method, a, g)
+
+
+def _check_call(spec: layers_lib.LayerSpec, method: str, a: Any, g: Any) -> None:
+  """Whether one call's captured arrays fit the layer (shapes only, nothing computed)."""
+  kind = spec.layer_kind
+  transposed = kind.transposed(method)
+  expected = [spec.a_dim, spec.g_dim] if transposed else [spec.g_dim, spec.a_dim]
+  try:
+    g_rows = jax.eval_shape(lambda g: layers_lib.output_rows(spec, method, g, g.dtype), g)
+    got = [g_rows.shape[-1]]
+    if not (kind.diagonal_input and not transposed):
+      a_rows = jax.eval_shape(lambda a: layers_lib.input_rows(spec, method, a, a.dtype), a)
+      got.append(a_rows.shape[-1])
+  except (TypeError, ValueError) as e:
+    raise ValueError(
+      f"the curvature of layer {spec.name!r} does not fit its weight {spec.kernel_shape} "
+      f"(input {jnp.shape(a)}, output gradient {jnp.shape(g)}): {e}"
+    ) from e
+  if got != expected[: len(got)]:
+    raise ValueError(
+      f"the curvature of layer {spec.name!r} has output and input features {got}; kfac's "
+      f"layers expect {expected[: len(got)]}"
+    )
 
 
 def _decomposition_arrays(dec: preconditioning.Decomposition) -> list[Array]:
@@ -240,6 +260,7 @@ def update_factors(
   decay: Array,
   dtype: Any,
   comm: distribution.Collectives,
+  sharing: str = factors_lib.EXPAND,
 ) -> KFACState:
   """Phase 1: folds the current batch's factors into the running averages.
 
@@ -251,7 +272,7 @@ def update_factors(
   layout = plan.layout
   weight, total = factors_lib.average_weight(state.factor_total, decay)
   batch = [
-    factors_lib.batch_factors(spec, curvature[spec.name], t.diagonal, dtype)
+    factors_lib.batch_factors(spec, curvature[spec.name], t.diagonal, dtype, sharing)
     for spec, t in plan.layers
   ]
   send = [
@@ -405,6 +426,7 @@ def kfac(
   kl_clip: hp.ScalarOrSchedule | None = 1e-3,
   lr: hp.ScalarOrSchedule | None = None,
   compute_method: str = preconditioning.EIGEN,
+  weight_sharing: str = factors_lib.EXPAND,
   factor_dtype: Any = jnp.float32,
   max_cost_ratio: float | None = 4.0,
   grad_worker_fraction: float | str | None = None,
@@ -437,6 +459,11 @@ def kfac(
     compute_method: ``"eigen"`` (exact damped Kronecker inverse) or
       ``"inverse"`` (``(A + damping)^-1 V (G + damping)^-1``, cheaper, a
       different regulariser for the same damping).
+    weight_sharing: how a layer whose weight is shared by several rows of one
+      example (sequence positions, pixels) counts them (Eschenhagen et al.,
+      2023): ``"expand"`` (every row is a sample) or ``"reduce"`` (each
+      example's inputs averaged and output gradients summed first); see
+      `kaisa_jax.factors`. Embedding lookups always expand.
     factor_dtype: dtype of the factors; decompositions run in this dtype but
       never below float32, and results are cast back to the gradient dtype.
     max_cost_ratio: a layer whose preconditioning and amortised decompositions
@@ -486,6 +513,10 @@ def kfac(
   if compute_method not in preconditioning.METHODS:
     raise ValueError(
       f"compute_method must be one of {preconditioning.METHODS}, got {compute_method!r}"
+    )
+  if weight_sharing not in factors_lib.WEIGHT_SHARING:
+    raise ValueError(
+      f"weight_sharing must be one of {factors_lib.WEIGHT_SHARING}, got {weight_sharing!r}"
     )
   if not jnp.issubdtype(factor_dtype, jnp.floating):
     raise TypeError(f"factor_dtype must be a floating dtype, got {factor_dtype!r}")
@@ -552,7 +583,7 @@ def kfac(
     decay = hp.at(factor_decay, step)
     state = jax.lax.cond(
       step % every == 0,
-      lambda: update_factors(plan, state, curvature, decay, factor_dtype, comm),
+      lambda: update_factors(plan, state, curvature, decay, factor_dtype, comm, weight_sharing),
       lambda: state,
     )
     every = hp.at(inv_update_steps, step, jnp.int32)
