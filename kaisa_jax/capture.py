@@ -77,7 +77,7 @@ class Layers:
       f"{'layer':<{w}} {'kind':<{k}} {'kernel':<18} {'calls':>5} {'rows':>8} {'A':>16} {'G':>16}"
     ]
     for s in self.specs:
-      a_shape = f"{s.a_dim}" if s.layer_kind.diagonal_input else f"{s.a_dim}x{s.a_dim}"
+      a_shape = f"{s.a_dim}" if s.diagonal_input else f"{s.a_dim}x{s.a_dim}"
       a_shape = f"{s.groups}x{a_shape}" if s.groups > 1 else a_shape
       g_shape = f"{s.groups}x{s.g_dim}x{s.g_dim}" if s.groups > 1 else f"{s.g_dim}x{s.g_dim}"
       lines.append(
@@ -152,6 +152,7 @@ def _param_path(
 class _Selection(NamedTuple):
   include: tuple[str, ...] | None
   exclude: tuple[str, ...]
+  normalization: str | None = None
 
   def selects(self, name: str) -> bool:
     if any(fnmatch.fnmatchcase(name, p) for p in self.exclude):
@@ -167,6 +168,31 @@ class _Selection(NamedTuple):
           f"layer pattern {pattern!r} matches no layer; the supported layers are "
           f"{sorted(set(names))}"
         )
+
+
+NORMALIZATION = ("block", DIAGONAL := "diagonal")
+_bypass = False  # set while a layer's own input is recomputed (normalisation layers)
+
+
+def _kind(module: nn.Module, selection: _Selection) -> layers_lib.LayerKind | None:
+  """The module's kind; normalisation layers only when a preconditioner was chosen."""
+  kind = layers_lib.find_kind(module)
+  if kind is not None and kind.name in layers_lib.NORMS and selection.normalization is None:
+    return None
+  return kind
+
+
+def _recorded_input(module: nn.Module, args: tuple, kwargs: dict) -> Array:
+  """What a call contributes as its input ``a`` (the kind may recompute it)."""
+  global _bypass
+  kind = layers_lib.find_kind(module)
+  if kind is None or kind.record is None:
+    return args[0] if args else next(iter(kwargs.values()))
+  _bypass = True
+  try:
+    return kind.record(module, args, kwargs)
+  finally:
+    _bypass = False
 
 
 def _as_patterns(patterns: str | Sequence[str] | None, arg: str) -> tuple[str, ...] | None:
@@ -195,12 +221,13 @@ def _trace(
       module = context.module
       name = _module_name(module)
       method = context.method_name
-      kind = layers_lib.find_kind(module)
-      if kind is None or method not in dict(kind.methods):
-        if kind is None and _direct_params(module) and name not in skipped:
-          skipped[name] = Skipped(
-            name, type(module).__name__, "unsupported layer type; gradients pass through"
-          )
+      kind = _kind(module, selection)
+      if _bypass or kind is None or method not in dict(kind.methods):
+        if not _bypass and kind is None and _direct_params(module) and name not in skipped:
+          reason = "unsupported layer type; gradients pass through"
+          if layers_lib.find_kind(module) is not None:  # a normalisation layer
+            reason = "normalisation layer, passed through (value_and_grad(normalization=...))"
+          skipped[name] = Skipped(name, type(module).__name__, reason)
         return next_fun(*call_args, **call_kwargs)
       out = next_fun(*call_args, **call_kwargs)
       own = _direct_params(module)
@@ -224,7 +251,11 @@ def _trace(
             tuple(own[kind.weight].shape),
             kind.bias in own,
           )
-          spec = dataclasses.replace(spec, methods=(method,))
+          spec = dataclasses.replace(
+            spec,
+            methods=(method,),
+            diagonal_input=spec.diagonal_input or selection.normalization == DIAGONAL,
+          )
           side = spec.kernel_shape[: spec.in_ndim] if kind.transposed(method) else None
           features = spec.g_dim * spec.groups if side is None else int(np.prod(side))
           rows = out.size // features
@@ -305,7 +336,7 @@ class ValueAndGrad:
 
       def interceptor(next_fun, call_args, call_kwargs, context):
         name = _module_name(context.module)
-        if name not in inputs or context.method_name not in methods[name]:
+        if _bypass or name not in inputs or context.method_name not in methods[name]:
           return next_fun(*call_args, **call_kwargs)
         k = len(inputs[name])
         if k >= len(perturbations[name]) or methods[name][k] != context.method_name:
@@ -313,7 +344,7 @@ class ValueAndGrad:
             f"kaisa_jax: layer {name!r} was called differently than when the loss was "
             "traced; the loss must call its layers the same way every time."
           )
-        inputs[name].append(call_args[0] if call_args else next(iter(call_kwargs.values())))
+        inputs[name].append(_recorded_input(context.module, call_args, call_kwargs))
         return next_fun(*call_args, **call_kwargs) + perturbations[name][k]
 
       with nn.intercept_methods(interceptor):
@@ -351,6 +382,7 @@ def value_and_grad(
   include: str | Sequence[str] | None = None,
   exclude: str | Sequence[str] | None = None,
   n_examples: int | None = None,
+  normalization: str | None = None,
 ) -> ValueAndGrad:
   """Like `jax.value_and_grad`, plus the curvature K-FAC needs.
 
@@ -380,6 +412,10 @@ def value_and_grad(
       each layer's input (the batch size, right for a loss that is a mean over
       the batch). Pass ``batch * length`` for a loss averaged over tokens and
       ``1`` for a summed loss.
+    normalization: ``None`` (default) passes the scale and bias of
+      ``nn.LayerNorm`` and ``nn.BatchNorm`` through to the chained optimizer;
+      ``"block"`` preconditions each feature's ``(scale, bias)`` by the exact
+      2x2 block of the per-example Fisher, ``"diagonal"`` by its diagonal.
 
   Returns:
     A `ValueAndGrad`; its ``layers(params, *args, **kwargs)`` method lists the
@@ -389,6 +425,9 @@ def value_and_grad(
     raise TypeError(f"value_and_grad needs a callable loss function, got {fun!r}")
   if n_examples is not None and (not isinstance(n_examples, int) or n_examples < 1):
     raise ValueError(f"n_examples must be a positive int or None, got {n_examples!r}")
+  if normalization is not None and normalization not in NORMALIZATION:
+    raise ValueError(f"normalization must be None or one of {NORMALIZATION}, got {normalization!r}")
   include_patterns = _as_patterns(include, "include")
   exclude_patterns = _as_patterns(exclude, "exclude") or ()
-  return ValueAndGrad(fun, has_aux, _Selection(include_patterns, exclude_patterns), n_examples)
+  selection = _Selection(include_patterns, exclude_patterns, normalization)
+  return ValueAndGrad(fun, has_aux, selection, n_examples)

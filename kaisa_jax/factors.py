@@ -72,6 +72,32 @@ def gradient_factor(rows: Array, n: Array, diagonal: bool, sharing: str) -> Arra
   return second_moment(rows, n.astype(rows.dtype), diagonal)
 
 
+def _embedding_lookup(
+  spec: layers_lib.LayerSpec, ids: Array, g: Array, n: Array, diagonal: bool, dtype: Any
+) -> tuple[Array, Array]:
+  """An embedding lookup: ``A`` is the token frequencies (one-hot rows, from counts)."""
+  counts = jnp.zeros((1, spec.a_dim), dtype).at[0, ids.reshape(-1)].add(1.0)
+  g_rows = layers_lib.output_rows(spec, layers_lib.CALL, g, dtype)
+  return counts / ids.size, gradient_factor(g_rows, n, diagonal, EXPAND)
+
+
+def _normalisation(
+  spec: layers_lib.LayerSpec, x: Array, g: Array, n: Array, diagonal: bool, dtype: Any
+) -> tuple[Array, Array]:
+  """A normalisation layer: the exact per-example Fisher block of ``(scale, bias)``.
+
+  Per feature, one example's gradient is ``v = sum_positions [x^ g, g]``;
+  ``A = (1/n) sum_examples (n v)(n v)^T`` (2x2, or its diagonal) and ``G = 1``,
+  so preconditioning solves ``(A + damping I) p = [dscale, dbias]`` per
+  feature, whatever ``weight_sharing`` says.
+  """
+  a_rows = layers_lib.input_rows(spec, layers_lib.CALL, x, dtype)  # [x^, 1]
+  g_rows = layers_lib.output_rows(spec, layers_lib.CALL, g, dtype)
+  per_example = jnp.sum(a_rows * g_rows, axis=2)  # (features, examples, 2)
+  ones = jnp.ones((spec.groups, 1) if diagonal[1] else (spec.groups, 1, 1), dtype)
+  return second_moment(per_example, n.astype(dtype), diagonal[0]), ones
+
+
 def batch_factors(
   spec: layers_lib.LayerSpec,
   curvature: LayerCurvature,
@@ -82,27 +108,30 @@ def batch_factors(
   """The factors ``(A, G)`` of the current batch for one layer, averaged over its calls.
 
   A call that uses the weight transposed (``Embed.attend``) contributes its
-  output gradients to ``A`` and its inputs to ``G``. A kind whose inputs are
-  one-hot (``Embed``) gives the diagonal of ``A`` from counts; it is always
-  expanded.
+  output gradients to ``A`` and its inputs to ``G``. Embedding lookups and
+  normalisation layers have statistics of their own (above).
   """
   kind = spec.layer_kind
   a_sum = g_sum = 0.0
   for method, a, g, n in zip(spec.methods, curvature.a, curvature.g, curvature.n, strict=True):
-    g_rows = layers_lib.output_rows(spec, method, g, dtype)
-    if kind.transposed(method):
-      a_part = gradient_factor(g_rows, n, diagonal[0], sharing)
-      a_rows = layers_lib.input_rows(spec, method, a, dtype)
-      g_part = activation_factor(a_rows, diagonal[1], sharing)
+    if spec.kind in layers_lib.NORMS:
+      a_part, g_part = _normalisation(spec, a, g, n, diagonal, dtype)
+    elif spec.kind == layers_lib.EMBED and method == layers_lib.CALL:
+      a_part, g_part = _embedding_lookup(spec, a, g, n, diagonal[1], dtype)
+    elif kind.transposed(method):
+      a_part = gradient_factor(
+        layers_lib.output_rows(spec, method, g, dtype), n, diagonal[0], sharing
+      )
+      g_part = activation_factor(
+        layers_lib.input_rows(spec, method, a, dtype), diagonal[1], sharing
+      )
     else:
-      if kind.diagonal_input:
-        counts, total = kind.input_diagonal(spec, method, a)
-        a_part = counts.astype(dtype) / total.astype(dtype)
-      else:
-        a_part = activation_factor(
-          layers_lib.input_rows(spec, method, a, dtype), diagonal[0], sharing
-        )
-      g_part = gradient_factor(g_rows, n, diagonal[1], sharing)
+      a_part = activation_factor(
+        layers_lib.input_rows(spec, method, a, dtype), diagonal[0], sharing
+      )
+      g_part = gradient_factor(
+        layers_lib.output_rows(spec, method, g, dtype), n, diagonal[1], sharing
+      )
     a_sum, g_sum = a_sum + a_part, g_sum + g_part
   return a_sum / spec.calls, g_sum / spec.calls
 

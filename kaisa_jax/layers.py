@@ -31,6 +31,12 @@ Built-in kinds:
   ``Embed.attend`` (logits of tied input/output embeddings) uses the transposed
   weight: its input ``x`` lies on the features side and its output gradient
   on the vocabulary side, so both uses accumulate into the same two factors.
+* ``nn.LayerNorm`` and ``nn.BatchNorm`` (when asked for, see
+  `kaisa_jax.value_and_grad`): ``s = x^ * scale + bias`` per feature, with
+  ``x^`` the normalised input. Each feature is a group of its own, whose input
+  rows are ``x^`` and whose weight is ``[scale, bias]``; its factors are the
+  exact per-example Fisher block of ``(scale, bias)`` (see
+  `kaisa_jax.factors`), a 2x2 matrix per feature.
 
 Your own layer: `register_layer`.
 """
@@ -54,6 +60,9 @@ DENSE = "dense"
 DENSE_GENERAL = "dense_general"
 CONV = "conv"
 EMBED = "embed"
+LAYER_NORM = "layer_norm"
+BATCH_NORM = "batch_norm"
+NORMS = (LAYER_NORM, BATCH_NORM)
 CALL = "__call__"
 
 
@@ -88,6 +97,8 @@ class LayerSpec:
     conv: the convolution's configuration, ``None`` for other layers.
     contract: the contracted input axes of a ``DenseGeneral``, as it gives them.
     methods: the method of each call in one loss evaluation, in call order.
+    diagonal_input: the input factor is diagonal by nature (an embedding's
+      one-hot inputs) or by request (``normalization="diagonal"``).
     rows: rows per step (all calls) in the batch the layers were traced with;
       used only to estimate costs.
   """
@@ -102,6 +113,7 @@ class LayerSpec:
   conv: ConvConfig | None = None
   contract: tuple[int, ...] = (-1,)
   methods: tuple[str, ...] = (CALL,)
+  diagonal_input: bool = False
   rows: int = dataclasses.field(default=0, compare=False)
 
   @property
@@ -154,10 +166,8 @@ class LayerKind:
     bias: the name of the bias parameter.
     methods: the module methods that apply the layer, each mapped to whether
       it uses the weight transposed (its input on the output side).
-    diagonal_input: the input factor is diagonal by nature (one-hot inputs);
-      ``input_diagonal(spec, method, x)`` then gives ``sum_rows a * a`` and the
-      row count without materialising rows.
-    input_diagonal: see ``diagonal_input``.
+    record: ``record(module, args, kwargs)``, what to record as a call's input
+      (default: its first argument).
     unbatched_ndim: ``unbatched_ndim(spec, method)``, the rank of one
       example's input; a larger input has a leading batch axis, which is ``n``
       by default.
@@ -171,8 +181,7 @@ class LayerKind:
   weight: str = "kernel"
   bias: str = "bias"
   methods: tuple[tuple[str, bool], ...] = ((CALL, False),)
-  diagonal_input: bool = False
-  input_diagonal: Callable[[LayerSpec, str, Array], tuple[Array, Array]] | None = None
+  record: Callable[[nn.Module, tuple, dict], Array] | None = None
   unbatched_ndim: Callable[[LayerSpec, str], int] = lambda spec, method: spec.in_ndim
 
   def transposed(self, method: str) -> bool:
@@ -331,7 +340,7 @@ def _conv_out(spec: LayerSpec, method: str, g: Array) -> Array:
 def _embed_describe(module: nn.Module, shape: tuple[int, ...]) -> dict[str, Any]:
   if module.num_embeddings == 1:
     raise UnsupportedLayerError("nn.Embed with num_embeddings=1 broadcasts; not supported")
-  return {}
+  return {"diagonal_input": True}
 
 
 def _embed_in(spec: LayerSpec, method: str, x: Array) -> Array:
@@ -345,10 +354,36 @@ def _embed_out(spec: LayerSpec, method: str, g: Array) -> Array:
   return _as_rows(g, g.ndim > 1, features)
 
 
-def _embed_counts(spec: LayerSpec, method: str, ids: Array) -> tuple[Array, Array]:
-  """``sum_rows onehot * onehot`` (the token counts) and the number of rows."""
-  counts = jnp.zeros((1, spec.kernel_shape[0]), jnp.float32).at[0, ids.reshape(-1)].add(1.0)
-  return counts, jnp.asarray(ids.size, jnp.float32)
+# -------------------------------------------------------------------- normalisation
+
+
+def _norm_describe(module: nn.Module, shape: tuple[int, ...]) -> dict[str, Any]:
+  if not module.use_scale:
+    raise UnsupportedLayerError(f"{type(module).__name__} without a scale is not supported")
+  axes = module.feature_axes if isinstance(module, nn.LayerNorm) else module.axis
+  axes = tuple(axes) if isinstance(axes, tuple | list) else (axes,)
+  if sorted(axes) != list(range(-len(axes), 0)):
+    raise UnsupportedLayerError(
+      f"{type(module).__name__} with feature axes {axes}: only trailing feature axes are supported"
+    )
+  return {"in_ndim": 0, "groups": math.prod(shape)}
+
+
+def _norm_rows(spec: LayerSpec, method: str, x: Array) -> Array:
+  """``(features, examples, positions, 1)``: every feature is a group of one."""
+  features = spec.groups
+  batched = x.ndim > len(spec.kernel_shape)
+  return _as_rows(x, batched, features)[0].transpose(2, 0, 1)[..., None]
+
+
+def _normalised_input(module: nn.Module, args: tuple, kwargs: dict) -> Array:
+  """``x^``: the module's own normalisation of its input, without scale and bias."""
+  bare = module.clone(parent=None, use_scale=False, use_bias=False)
+  if isinstance(module, nn.BatchNorm):
+    stats = module.variables.get("batch_stats", {})
+    out, _ = bare.apply({"batch_stats": stats}, *args, **kwargs, mutable=["batch_stats"])
+    return out
+  return bare.apply({}, *args, **kwargs)
 
 
 BUILTIN_KINDS = (
@@ -370,11 +405,24 @@ BUILTIN_KINDS = (
     _embed_out,
     weight="embedding",
     methods=((CALL, False), ("attend", True)),
-    diagonal_input=True,
-    input_diagonal=_embed_counts,
     unbatched_ndim=lambda spec, method: 0 if method == CALL else 1,
   ),
+  *(
+    LayerKind(
+      name,
+      module_type,
+      _norm_describe,
+      _norm_rows,
+      _norm_rows,
+      weight="scale",
+      record=_normalised_input,
+      unbatched_ndim=lambda spec, method: len(spec.kernel_shape),
+    )
+    for name, module_type in ((LAYER_NORM, nn.LayerNorm), (BATCH_NORM, nn.BatchNorm))
+  ),
 )
+
+
 KINDS: dict[str, LayerKind] = {k.name: k for k in BUILTIN_KINDS}
 _REGISTERED: list[LayerKind] = []
 

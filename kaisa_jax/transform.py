@@ -199,7 +199,7 @@ def _check_call(spec: layers_lib.LayerSpec, method: str, a: Any, g: Any) -> None
   try:
     g_rows = jax.eval_shape(lambda g: layers_lib.output_rows(spec, method, g, g.dtype), g)
     got = [g_rows.shape[-1]]
-    if not (kind.diagonal_input and not transposed):
+    if not (spec.kind == layers_lib.EMBED and not transposed):  # ids, not rows
       a_rows = jax.eval_shape(lambda a: layers_lib.input_rows(spec, method, a, a.dtype), a)
       got.append(a_rows.shape[-1])
   except (TypeError, ValueError) as e:

@@ -268,3 +268,72 @@ def test_register_layer_rejects_bad_arguments():
     kaisa_jax.register_layer(Affine, in_ndim=0)
   with pytest.raises(ValueError, match="no method 'project'"):
     kaisa_jax.register_layer(Affine, method="project")
+
+
+# -------------------------------------------------------------------- normalisation
+
+
+def _normalised(x, axes, epsilon):
+  mean = x.mean(axis=axes, keepdims=True)
+  return (x - mean) / np.sqrt(x.var(axis=axes, keepdims=True) + epsilon)
+
+
+@pytest.mark.parametrize("layer_type", ["layer_norm", "batch_norm"])
+@pytest.mark.parametrize("normalization", ["block", "diagonal"])
+def test_normalisation_scale_and_bias_match_per_example_fisher(x64, layer_type, normalization):
+  if layer_type == "layer_norm":
+    layer = nn.LayerNorm(param_dtype=F64)
+    apply = lambda p, x: layer.apply(p, x)  # noqa: E731
+    axes = -1
+  else:
+    layer = nn.BatchNorm(use_running_average=False, param_dtype=F64)
+    apply = lambda p, x: layer.apply(p, x, mutable=["batch_stats"])[0]  # noqa: E731
+    axes = (0, 1)
+  x = 2.0 + jax.random.normal(jax.random.key(0), (4, 3, 5), F64)
+  params = layer.init(jax.random.key(1), x)
+  params = jax.tree.map(lambda p: p + jax.random.normal(jax.random.key(2), p.shape, F64), params)
+  head = _head(jax.random.normal(jax.random.key(3), (4, 3, 5), F64))
+
+  def loss_fn(p, x):
+    return head(apply(p, x))
+
+  grad_fn = kaisa_jax.value_and_grad(loss_fn, normalization=normalization)
+  layers = grad_fn.layers(params, x)
+  (spec,) = layers.specs
+  assert spec.kind == layer_type and spec.groups == 5
+  tx = kaisa_jax.kfac(
+    layers,
+    damping=DAMPING,
+    factor_dtype=F64,
+    **{"factor_decay": 0.0, "factor_update_steps": 1, "inv_update_steps": 1, "kl_clip": None},
+  )
+  _, grads, curvature = grad_fn(params, x)
+  updates, _ = tx.update(grads, tx.init(params), params, curvature=curvature)
+
+  xhat = _normalised(np.asarray(x), axes, layer.epsilon)
+  p = params["params"]
+  y = xhat * np.asarray(p["scale"]) + np.asarray(p["bias"])
+  np.testing.assert_allclose(apply(params, x), y, rtol=1e-10)
+  g = np.asarray(jax.grad(head)(jnp.asarray(y)))
+  per_example = np.stack([(xhat * g).sum(1), g.sum(1)], axis=-1)  # (examples, features, 2)
+  for f in range(5):
+    block = 4.0 * per_example[:, f].T @ per_example[:, f]  # (1/n) sum (n v)(n v)^T, n = 4
+    if normalization == "diagonal":
+      block = np.diag(np.diag(block))
+    v = np.asarray([grads["params"]["scale"][f], grads["params"]["bias"][f]])
+    expected = np.linalg.solve(block + DAMPING * np.eye(2), v)
+    got = [updates["params"]["scale"][f], updates["params"]["bias"][f]]
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+    assert not np.allclose(got, v, rtol=1e-2)
+
+
+def test_normalisation_passes_through_by_default():
+  layer = nn.LayerNorm()
+  x = jax.random.normal(jax.random.key(0), (4, 5))
+  params = layer.init(jax.random.key(1), x)
+  layers = kaisa_jax.value_and_grad(lambda p, x: jnp.sum(layer.apply(p, x) ** 3)).layers(params, x)
+  assert not layers.specs
+  (skipped,) = layers.skipped
+  assert "normalization=" in skipped.reason
+  with pytest.raises(ValueError, match="normalization must be None or one of"):
+    kaisa_jax.value_and_grad(lambda p, x: 0.0, normalization="exact")
