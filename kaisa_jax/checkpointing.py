@@ -58,22 +58,17 @@ def _is_state(x: Any) -> bool:
   return isinstance(x, transform.KFACState | PortableKFACState)
 
 
+# The per-device scalars of a KFACState (pmap keeps one copy per device).
+_SCALARS = ("count", "factor_total", "skipped_factor_updates", "failed_decompositions", "refresh")
+
+
 def _unstack(plan: transform.Plan, state: transform.KFACState) -> transform.KFACState:
   """A pmap-replicated state ``(N, ...)`` as the global ``(N / W, W, ...)`` one."""
   rows, cols = plan.layout.rows, plan.layout.cols
   return state._replace(
     factors=state.factors.reshape(rows, cols, -1),
     decompositions=state.decompositions[::cols, 0],
-    **{
-      k: getattr(state, k)[0]
-      for k in (
-        "count",
-        "factor_total",
-        "skipped_factor_updates",
-        "failed_decompositions",
-        "refresh",
-      )
-    },
+    **{k: getattr(state, k)[0] for k in _SCALARS},
   )
 
 
@@ -179,16 +174,7 @@ def _place(kfac: transform.KFAC, portable: PortableKFACState) -> transform.KFACS
       decompositions=np.repeat(state.decompositions[:, None], layout.cols, axis=1).reshape(
         n, 1, layout.cols, -1
       ),
-      **{
-        k: np.stack([getattr(state, k)] * n)
-        for k in (
-          "count",
-          "factor_total",
-          "skipped_factor_updates",
-          "failed_decompositions",
-          "refresh",
-        )
-      },
+      **{k: np.stack([getattr(state, k)] * n) for k in _SCALARS},
     )
     return jax.tree.map(jnp.asarray, stacked)
   return jax.tree.map(jnp.asarray, state)

@@ -494,11 +494,11 @@ def register_layer(
   return kind
 
 
-def find_kind(module: nn.Module, method: str | None = None) -> LayerKind | None:
-  """The kind of a module (and method), registered kinds first; ``None`` if unsupported."""
+def find_kind(module: nn.Module) -> LayerKind | None:
+  """The kind of a module, registered kinds first; ``None`` if unsupported."""
   for kind in (*reversed(_REGISTERED), *BUILTIN_KINDS):
     if kind.matches(module):
-      return kind if method is None or method in dict(kind.methods) else None
+      return kind
   return None
 
 

@@ -30,7 +30,8 @@ def test_layer_costs():
   assert assignment.layer_cost(spec, EIGEN, assignment.MEMORY) == 4**2 + 3**2
   diag_a = cost.Treatment("eigen", (True, False))
   assert assignment.layer_cost(spec, diag_a, assignment.COMPUTE) == 4 + 3**3
-  conv = LayerSpec("c", (), "conv", (3, 3, 2, 8), True, groups=4)  # 4 groups of A 19x19, G 2x2
+  # 4 groups of A 19x19, G 2x2
+  conv = LayerSpec("c", (), "conv", (3, 3, 2, 8), True, in_ndim=3, groups=4)
   assert assignment.layer_cost(conv, EIGEN, assignment.COMPUTE) == 4 * (19**3 + 2**3)
 
 

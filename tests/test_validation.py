@@ -42,6 +42,7 @@ LAYERS = GRAD_FN.layers(PARAMS, X)
       r"inv_update_steps\(0\) must be a positive int",
     ),
     (dict(compute_method="cholesky"), ValueError, "compute_method must be one of"),
+    (dict(weight_sharing="mean"), ValueError, "weight_sharing must be one of"),
     (dict(kl_clip=1e-3, lr=None), ValueError, "kl_clip needs the learning rate"),
     (dict(kl_clip=-1.0, lr=0.1), ValueError, "kl_clip must lie in"),
     (dict(kl_clip=None, lr=-0.1), ValueError, "lr must lie in"),
