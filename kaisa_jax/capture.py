@@ -254,7 +254,8 @@ def _trace(
           spec = dataclasses.replace(
             spec,
             methods=(method,),
-            diagonal_input=spec.diagonal_input or selection.normalization == DIAGONAL,
+            diagonal_input=spec.diagonal_input
+            or (kind.name in layers_lib.NORMS and selection.normalization == DIAGONAL),
           )
           side = spec.kernel_shape[: spec.in_ndim] if kind.transposed(method) else None
           features = spec.g_dim * spec.groups if side is None else int(np.prod(side))
@@ -392,10 +393,10 @@ def value_and_grad(
   ``nn.DenseGeneral`` (attention projections included), ``nn.Conv`` and
   ``nn.Embed`` (lookups and ``attend``) called inside it is captured, wherever
   it is nested, as is every layer type given to `kaisa_jax.register_layer`.
-  The result is a
-  callable returning ``(value, grads, curvature)``, where ``value`` is the loss
-  (or ``(loss, aux)`` with ``has_aux``), ``grads`` the gradient with respect to
-  ``params``, and ``curvature`` the layers' inputs and output gradients, to be
+  The result is a callable returning ``(value, grads, curvature)``, where
+  ``value`` is the loss (or ``(loss, aux)`` with ``has_aux``), ``grads`` the
+  gradient with respect to ``params``, and ``curvature`` the layers' inputs
+  and output gradients, to be
   passed to the K-FAC transformation as ``update(..., curvature=curvature)``.
   It costs one forward and one backward pass, as `jax.value_and_grad` does.
 

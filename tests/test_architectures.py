@@ -335,5 +335,13 @@ def test_normalisation_passes_through_by_default():
   assert not layers.specs
   (skipped,) = layers.skipped
   assert "normalization=" in skipped.reason
+  # Asked for, only the normalisation layer's input side becomes diagonal.
+  model = nn.Sequential([nn.Dense(5), nn.LayerNorm()])
+  params = model.init(jax.random.key(1), x)
+  grad_fn = kaisa_jax.value_and_grad(
+    lambda p, x: jnp.sum(model.apply(p, x) ** 3), normalization="diagonal"
+  )
+  specs = {s.kind: s for s in grad_fn.layers(params, x).specs}
+  assert specs["layer_norm"].diagonal_input and not specs["dense"].diagonal_input
   with pytest.raises(ValueError, match="normalization must be None or one of"):
     kaisa_jax.value_and_grad(lambda p, x: 0.0, normalization="exact")
