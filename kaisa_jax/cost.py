@@ -18,8 +18,8 @@ whose preconditioning and amortised decompositions would cost more than
 ``max_cost_ratio`` times its own forward and backward pass gets the first
 cheaper treatment that fits, in order of faithfulness: the inverse method, the
 larger side diagonal, both sides diagonal. An embedding's input side is always
-diagonal (its inputs are one-hot), and so is a normalisation layer's when its
-diagonal preconditioner is asked for. Factor statistics are left out of
+diagonal (its inputs are one-hot). Normalisation layers always get the exact
+eigen method on their 2x2 blocks (or their diagonal, when asked for). Factor statistics are left out of
 the rule: their cost is set by ``factor_update_steps``, which the user picks.
 """
 
@@ -94,7 +94,9 @@ def step_cost_ratio(spec: layers_lib.LayerSpec, t: Treatment, inv_update_steps: 
 
 def candidates(spec: layers_lib.LayerSpec, method: str) -> list[Treatment]:
   """Treatments from the most faithful to the cheapest."""
-  if spec.diagonal_input:  # one-hot inputs or a diagonal normalisation preconditioner
+  if spec.kind in layers_lib.NORMS:  # 2x2 blocks: the exact damped inverse is always cheap
+    return [Treatment(preconditioning.EIGEN, (spec.diagonal_input, False))]
+  if spec.diagonal_input:  # one-hot inputs
     out = [Treatment(method, (True, False))]
     if method == preconditioning.EIGEN:
       out.append(Treatment(preconditioning.INVERSE, (True, False)))
