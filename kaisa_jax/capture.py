@@ -14,8 +14,10 @@ gives the registry of layers (`Layers`) that `kaisa_jax.kfac` is built from.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
+import types
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -23,6 +25,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from flax.core import FrozenDict
 
 from kaisa_jax import layers as layers_lib
@@ -112,28 +115,57 @@ def _trace_of(x: Any) -> Any:
   return getattr(x, "_trace", None)
 
 
-def _module_name(module: nn.Module) -> str:
+def _key_name(key: Any) -> str:
+  return str(getattr(key, "key", getattr(key, "name", getattr(key, "idx", key))))
+
+
+def _module_name(module: Any, leaf_paths: dict[int, tuple]) -> str:
+  """The module path joined by ``/``; for NNX, the path of its weight in the params."""
+  if isinstance(module, nnx.Module):
+    kind = layers_lib.find_kind(module)
+    own = _direct_params(module)
+    path = leaf_paths.get(id(own.get(kind.weight))) if kind is not None else None
+    if path is None:
+      return type(module).__name__
+    prefix, _ = _split_path(path, kind.weight)
+    return "/".join(_key_name(k) for k in prefix) or type(module).__name__
   return "/".join(module.path) if module.path else type(module).__name__
 
 
-def _direct_params(module: nn.Module) -> dict[str, Any]:
+def _direct_params(module: Any) -> dict[str, Any]:
   """The parameters a module holds itself (not through submodules)."""
+  if isinstance(module, nnx.Module):
+    return {k: v.get_value() for k, v in vars(module).items() if isinstance(v, nnx.Param)}
   params = module.variables.get("params", {}) if module.scope is not None else {}
   return {k: v for k, v in params.items() if not isinstance(v, dict | FrozenDict)}
 
 
-def _param_path(
-  module: nn.Module, weight: str, own: dict[str, Any], leaf_paths: dict[int, tuple]
-) -> tuple[Any, ...]:
-  """Where the layer's parameter dict sits in the params given to the loss.
+def _split_path(path: tuple, weight: str) -> tuple[tuple, tuple]:
+  """``(prefix, suffix)`` around the weight's own key in a parameter's key path."""
+  names = [_key_name(k) for k in path]
+  i = len(names) - 1 - names[::-1].index(weight)
+  return path[:i], path[i + 1 :]
 
-  The weight is found by identity (the loss passed it through unchanged); a
-  loss that transforms its parameters (a dtype cast, say) is matched by module
-  path instead.
+
+def _param_path(
+  module: Any, weight: str, own: dict[str, Any], leaf_paths: dict[int, tuple]
+) -> tuple[tuple, tuple]:
+  """Where the layer's parameters sit in the params given to the loss.
+
+  Returns the key path before the weight's name and the one after it (empty for
+  linen, ``.value`` for an NNX variable). The weight is found by identity (the
+  loss passed it through unchanged); a linen loss that transforms its
+  parameters (a dtype cast, say) is matched by module path instead.
   """
   path = leaf_paths.get(id(own[weight]))
   if path is not None:
-    return path[:-1]
+    return _split_path(path, weight)
+  if isinstance(module, nnx.Module):
+    raise ValueError(
+      f"kaisa_jax could not find the parameters of a {type(module).__name__} in the "
+      "params given to the loss function: build the model inside the loss with "
+      "nnx.merge(graphdef, params) from those params, unchanged."
+    )
   suffix = (*module.path, weight)
   candidates = [
     p
@@ -142,11 +174,43 @@ def _param_path(
   ]
   if len(candidates) != 1:
     raise ValueError(
-      f"kaisa_jax could not find the parameters of layer {_module_name(module)!r} in "
+      f"kaisa_jax could not find the parameters of layer {_module_name(module, {})!r} in "
       "the params given to the loss function. Pass the params to model.apply "
       "unchanged (as the first argument of the loss)."
     )
-  return candidates[0][:-1]
+  return candidates[0][:-1], ()
+
+
+@contextlib.contextmanager
+def _intercept(interceptor: Callable[..., Any]):
+  """Runs ``interceptor`` around the calls of linen modules and of NNX layer kinds.
+
+  Linen has method interceptors; NNX has none, so the methods of the NNX layer
+  classes K-FAC knows are wrapped for the duration (subclasses that keep them
+  are covered too).
+  """
+  patched = []
+  for kind in layers_lib.all_kinds():
+    for cls in kind.module_types:
+      if not issubclass(cls, nnx.Module):
+        continue
+      for method, _ in kind.methods:
+        original = cls.__dict__.get(method)
+        if original is None:
+          continue
+
+        def wrapper(self, *args, _original=original, _method=method, **kwargs):
+          context = types.SimpleNamespace(module=self, method_name=_method)
+          return interceptor(lambda *a, **k: _original(self, *a, **k), args, kwargs, context)
+
+        setattr(cls, method, wrapper)
+        patched.append((cls, method, original))
+  try:
+    with nn.intercept_methods(interceptor):
+      yield
+  finally:
+    for cls, method, original in reversed(patched):
+      setattr(cls, method, original)
 
 
 class _Selection(NamedTuple):
@@ -219,7 +283,7 @@ def _trace(
 
     def interceptor(next_fun, call_args, call_kwargs, context):
       module = context.module
-      name = _module_name(module)
+      name = _module_name(module, leaf_paths)
       method = context.method_name
       kind = _kind(module, selection)
       if _bypass or kind is None or method not in dict(kind.methods):
@@ -243,16 +307,13 @@ def _trace(
             raise layers_lib.UnsupportedLayerError(
               f"{method} returned {type(out).__name__}, not one array"
             )
+          prefix, suffix = _param_path(module, kind.weight, own, leaf_paths)
           spec = layers_lib.make_spec(
-            kind,
-            module,
-            name,
-            _param_path(module, kind.weight, own, leaf_paths),
-            tuple(own[kind.weight].shape),
-            kind.bias in own,
+            kind, module, name, prefix, tuple(own[kind.weight].shape), kind.bias in own
           )
           spec = dataclasses.replace(
             spec,
+            param_suffix=suffix,
             methods=(method,),
             diagonal_input=spec.diagonal_input
             or (kind.name in layers_lib.NORMS and selection.normalization == DIAGONAL),
@@ -271,7 +332,7 @@ def _trace(
       )
       return out
 
-    with nn.intercept_methods(interceptor):
+    with _intercept(interceptor):
       return fun(params, *args, **kwargs)
 
   jax.eval_shape(traced, params)
@@ -334,9 +395,11 @@ class ValueAndGrad:
 
     def loss_with_perturbations(params, perturbations):
       inputs: dict[str, list[Array]] = {name: [] for name in perturbations}
+      flat = jax.tree_util.tree_flatten_with_path(params)[0]
+      leaf_paths = {id(leaf): path for path, leaf in flat}
 
       def interceptor(next_fun, call_args, call_kwargs, context):
-        name = _module_name(context.module)
+        name = _module_name(context.module, leaf_paths)
         if _bypass or name not in inputs or context.method_name not in methods[name]:
           return next_fun(*call_args, **call_kwargs)
         k = len(inputs[name])
@@ -348,7 +411,7 @@ class ValueAndGrad:
         inputs[name].append(_recorded_input(context.module, call_args, call_kwargs))
         return next_fun(*call_args, **call_kwargs) + perturbations[name][k]
 
-      with nn.intercept_methods(interceptor):
+      with _intercept(interceptor):
         result = self._fun(params, *args, **kwargs)
       for name, seen in inputs.items():
         if len(seen) != len(perturbations[name]):
@@ -389,10 +452,13 @@ def value_and_grad(
 
   ``fun(params, *args, **kwargs)`` must compute the loss by calling a Flax
   linen model's ``apply`` with ``params`` (the whole variables dict, or the
-  ``params`` collection that the loss wraps). Every ``nn.Dense``,
+  ``params`` collection that the loss wraps), or by rebuilding a Flax NNX
+  model from them (``nnx.merge(graphdef, params)``). Every ``nn.Dense``,
   ``nn.DenseGeneral`` (attention projections included), ``nn.Conv`` and
   ``nn.Embed`` (lookups and ``attend``) called inside it is captured, wherever
-  it is nested, as is every layer type given to `kaisa_jax.register_layer`.
+  it is nested, as are their NNX twins (``nnx.Linear``, ``nnx.LinearGeneral``,
+  ``nnx.Conv``, ``nnx.Embed``) and every layer type given to
+  `kaisa_jax.register_layer`.
   The result is a callable returning ``(value, grads, curvature)``, where
   ``value`` is the loss (or ``(loss, aux)`` with ``has_aux``), ``grads`` the
   gradient with respect to ``params``, and ``curvature`` the layers' inputs

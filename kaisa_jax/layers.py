@@ -52,6 +52,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 Array = jax.Array
 KeyPath = tuple[Any, ...]
@@ -89,6 +90,8 @@ class LayerSpec:
     name: the module path joined by ``/`` (``"encoder/Dense_0"``).
     param_path: the key path, in the params tree given to the loss function, of
       the dict that holds the layer's weight (and bias).
+    param_suffix: what follows the parameter's name in its key path (the
+      ``.value`` of a Flax NNX variable; empty for linen).
     kind: the name of its `LayerKind` (``"dense"``, ``"conv"``, ...).
     kernel_shape: the shape of the layer's weight.
     has_bias: whether the layer has a bias.
@@ -109,6 +112,7 @@ class LayerSpec:
   kernel_shape: tuple[int, ...]
   has_bias: bool
   in_ndim: int = 1
+  param_suffix: KeyPath = ()
   groups: int = 1
   conv: ConvConfig | None = None
   contract: tuple[int, ...] = (-1,)
@@ -152,9 +156,9 @@ class LayerKind:
 
   Attributes:
     name: the kind's name, shown in listings.
-    module_type: the Flax module class; a subclass counts only if it keeps the
-      class's methods (a layer that computes something else must not be
-      mistaken for this one).
+    module_types: the Flax module classes (linen or NNX); a subclass counts
+      only if it keeps the class's methods (a layer that computes something
+      else must not be mistaken for this one).
     describe: ``describe(module, weight_shape) -> dict`` of `LayerSpec` fields
       beyond name, path, weight shape and bias (``in_ndim``, ``groups``, ...);
       raises `UnsupportedLayerError` for a configuration it cannot handle.
@@ -174,7 +178,7 @@ class LayerKind:
   """
 
   name: str
-  module_type: type
+  module_types: tuple[type, ...]
   describe: Callable[[nn.Module, tuple[int, ...]], dict[str, Any]]
   input_rows: Callable[[LayerSpec, str, Array], Array]
   output_rows: Callable[[LayerSpec, str, Array], Array]
@@ -187,11 +191,12 @@ class LayerKind:
   def transposed(self, method: str) -> bool:
     return dict(self.methods)[method]
 
-  def matches(self, module: nn.Module) -> bool:
-    if not isinstance(module, self.module_type):
-      return False
+  def matches(self, module: Any) -> bool:
     cls = type(module)
-    return all(getattr(cls, m) is getattr(self.module_type, m) for m, _ in self.methods)
+    return any(
+      isinstance(module, t) and all(getattr(cls, m) is getattr(t, m) for m, _ in self.methods)
+      for t in self.module_types
+    )
 
 
 # ----------------------------------------------------------------------------- dense
@@ -213,11 +218,13 @@ def _dense_out(spec: LayerSpec, method: str, g: Array) -> Array:
 # --------------------------------------------------------------------- dense general
 
 
-def _general_describe(module: nn.Module, shape: tuple[int, ...]) -> dict[str, Any]:
-  if module.batch_dims:
-    raise UnsupportedLayerError("nn.DenseGeneral with batch_dims is not supported")
-  if module.dot_general is not None or module.dot_general_cls is not None:
-    raise UnsupportedLayerError("nn.DenseGeneral with a custom dot_general is not supported")
+def _general_describe(module: Any, shape: tuple[int, ...]) -> dict[str, Any]:
+  kind = type(module).__name__
+  if getattr(module, "batch_dims", None) or getattr(module, "batch_axis", None):
+    raise UnsupportedLayerError(f"{kind} with batch axes is not supported")
+  default = getattr(module, "dot_general", None) in (None, jax.lax.dot_general)
+  if not default or module.dot_general_cls is not None:
+    raise UnsupportedLayerError(f"{kind} with a custom dot_general is not supported")
   axis = tuple(module.axis) if isinstance(module.axis, tuple | list) else (module.axis,)
   return {"in_ndim": len(axis), "contract": axis}
 
@@ -260,11 +267,12 @@ def _padding(padding: Any, rank: int) -> str | tuple[tuple[int, int], ...]:
   return tuple(pads)
 
 
-def _conv_describe(module: nn.Module, shape: tuple[int, ...]) -> dict[str, Any]:
+def _conv_describe(module: Any, shape: tuple[int, ...]) -> dict[str, Any]:
   if module.mask is not None:
-    raise UnsupportedLayerError("nn.Conv with a `mask` is not supported")
-  if module.conv_general_dilated is not None or module.conv_general_dilated_cls:
-    raise UnsupportedLayerError("nn.Conv with a custom convolution is not supported")
+    raise UnsupportedLayerError("a convolution with a `mask` is not supported")
+  default = module.conv_general_dilated in (None, jax.lax.conv_general_dilated)
+  if not default or getattr(module, "conv_general_dilated_cls", None):
+    raise UnsupportedLayerError("a convolution with a custom convolution is not supported")
   rank = len(shape) - 2
   config = ConvConfig(
     kernel_size=tuple(shape[:rank]),
@@ -337,9 +345,9 @@ def _conv_out(spec: LayerSpec, method: str, g: Array) -> Array:
 # ------------------------------------------------------------------------ embedding
 
 
-def _embed_describe(module: nn.Module, shape: tuple[int, ...]) -> dict[str, Any]:
+def _embed_describe(module: Any, shape: tuple[int, ...]) -> dict[str, Any]:
   if module.num_embeddings == 1:
-    raise UnsupportedLayerError("nn.Embed with num_embeddings=1 broadcasts; not supported")
+    raise UnsupportedLayerError("an embedding with num_embeddings=1 broadcasts; not supported")
   return {"diagonal_input": True}
 
 
@@ -387,11 +395,17 @@ def _normalised_input(module: nn.Module, args: tuple, kwargs: dict) -> Array:
 
 
 BUILTIN_KINDS = (
-  LayerKind(DENSE, nn.Dense, _dense_describe, _dense_in, _dense_out),
-  LayerKind(DENSE_GENERAL, nn.DenseGeneral, _general_describe, _general_in, _general_out),
+  LayerKind(DENSE, (nn.Dense, nnx.Linear), _dense_describe, _dense_in, _dense_out),
+  LayerKind(
+    DENSE_GENERAL,
+    (nn.DenseGeneral, nnx.LinearGeneral),
+    _general_describe,
+    _general_in,
+    _general_out,
+  ),
   LayerKind(
     CONV,
-    nn.Conv,
+    (nn.Conv, nnx.Conv),
     _conv_describe,
     _conv_in,
     _conv_out,
@@ -399,7 +413,7 @@ BUILTIN_KINDS = (
   ),
   LayerKind(
     EMBED,
-    nn.Embed,
+    (nn.Embed, nnx.Embed),
     _embed_describe,
     _embed_in,
     _embed_out,
@@ -418,7 +432,7 @@ BUILTIN_KINDS = (
       record=_normalised_input,
       unbatched_ndim=lambda spec, method: len(spec.kernel_shape),
     )
-    for name, module_type in ((LAYER_NORM, nn.LayerNorm), (BATCH_NORM, nn.BatchNorm))
+    for name, module_type in ((LAYER_NORM, (nn.LayerNorm,)), (BATCH_NORM, (nn.BatchNorm,)))
   ),
 )
 
@@ -462,8 +476,8 @@ def register_layer(
   Returns:
     The registered `LayerKind`; registering a type again replaces it.
   """
-  if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
-    raise TypeError(f"register_layer needs a flax.linen Module class, got {module_type!r}")
+  if not (isinstance(module_type, type) and issubclass(module_type, nn.Module | nnx.Module)):
+    raise TypeError(f"register_layer needs a Flax (linen or NNX) Module class, got {module_type!r}")
   if not isinstance(in_ndim, int) or in_ndim < 1:
     raise ValueError(f"in_ndim must be a positive int, got {in_ndim!r}")
   if not callable(getattr(module_type, method, None)):
@@ -481,7 +495,7 @@ def register_layer(
 
   kind = LayerKind(
     f"{module_type.__module__}.{module_type.__qualname__}",
-    module_type,
+    (module_type,),
     lambda module, shape: {"in_ndim": in_ndim},
     lambda spec, m, x: rows(to_in(x), spec.kernel_shape[: spec.in_ndim]),
     lambda spec, m, g: rows(to_out(g), spec.kernel_shape[spec.in_ndim :]),
@@ -489,14 +503,19 @@ def register_layer(
     bias=bias,
     methods=((method, False),),
   )
-  _REGISTERED[:] = [k for k in _REGISTERED if k.module_type is not module_type] + [kind]
+  _REGISTERED[:] = [k for k in _REGISTERED if k.module_types != (module_type,)] + [kind]
   KINDS[kind.name] = kind
   return kind
 
 
-def find_kind(module: nn.Module) -> LayerKind | None:
+def all_kinds() -> tuple[LayerKind, ...]:
+  """Every kind, registered ones first (the latest first)."""
+  return (*reversed(_REGISTERED), *BUILTIN_KINDS)
+
+
+def find_kind(module: Any) -> LayerKind | None:
   """The kind of a module, registered kinds first; ``None`` if unsupported."""
-  for kind in (*reversed(_REGISTERED), *BUILTIN_KINDS):
+  for kind in all_kinds():
     if kind.matches(module):
       return kind
   return None

@@ -143,7 +143,7 @@ def _layer_params(tree: Any, plan: Plan, what: str) -> dict[str, dict[str, Array
     entry = {}
     kind = spec.layer_kind
     for key in (kind.weight, kind.bias) if spec.has_bias else (kind.weight,):
-      path = (*spec.param_path, jax.tree_util.DictKey(key))
+      path = (*spec.param_path, jax.tree_util.DictKey(key), *spec.param_suffix)
       leaf = leaves.get(path)
       if leaf is None:
         raise ValueError(
@@ -605,7 +605,7 @@ def kfac(
     for spec, _ in plan.layers:
       new = layers_lib.from_matrix(spec, nu * preconditioned[spec.name])
       for key, value in new.items():
-        path = (*spec.param_path, jax.tree_util.DictKey(key))
+        path = (*spec.param_path, jax.tree_util.DictKey(key), *spec.param_suffix)
         replacements[path] = value.astype(grads[spec.name][key].dtype)
     new_updates = jax.tree_util.tree_map_with_path(
       lambda path, leaf: replacements.get(path, leaf), updates

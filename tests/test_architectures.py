@@ -14,6 +14,7 @@ import optax
 import pytest
 import references as ref
 from conftest import one_update
+from flax import nnx
 
 import kaisa_jax
 
@@ -348,3 +349,78 @@ def test_normalisation_passes_through_by_default():
   assert specs["layer_norm"].diagonal_input and not specs["dense"].diagonal_input
   with pytest.raises(ValueError, match="normalization must be None or one of"):
     kaisa_jax.value_and_grad(lambda p, x: 0.0, normalization="exact")
+
+
+# ------------------------------------------------------------------------ Flax NNX
+
+
+class LinenNet(nn.Module):
+  @nn.compact
+  def __call__(self, ids):
+    embed = nn.Embed(VOCAB, 6)
+    h = embed(ids)
+    h = nn.relu(nn.Conv(6, (3,), padding="SAME")(h))
+    h = h + nn.MultiHeadDotProductAttention(2)(h)
+    h = jnp.tanh(nn.Dense(6)(h))
+    return embed.attend(h)
+
+
+class NNXNet(nnx.Module):
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(VOCAB, 6, rngs=rngs)
+    self.conv = nnx.Conv(6, 6, (3,), padding="SAME", rngs=rngs)
+    self.attention = nnx.MultiHeadAttention(2, 6, decode=False, rngs=rngs)
+    self.dense = nnx.Linear(6, 6, rngs=rngs)
+
+  def __call__(self, ids):
+    h = self.embed(ids)
+    h = nnx.relu(self.conv(h))
+    h = h + self.attention(h)
+    return self.embed.attend(jnp.tanh(self.dense(h)))
+
+
+def test_nnx_and_linen_networks_precondition_alike():
+  ids = jax.random.randint(jax.random.key(0), (3, 5), 0, VOCAB)
+  labels = jax.random.randint(jax.random.key(1), (3, 5), 0, VOCAB)
+
+  def head(logits):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+  linen = LinenNet()
+  linen_params = linen.init(jax.random.key(2), ids)
+  graphdef, nnx_params = nnx.split(NNXNet(nnx.Rngs(3)), nnx.Param)
+  # The same weights in both: linen name -> NNX attribute.
+  names = {
+    "Embed_0": "embed",
+    "Conv_0": "conv",
+    "Dense_0": "dense",
+    "MultiHeadDotProductAttention_0": "attention",
+  }
+  p = linen_params["params"]
+  for linen_name, attr in names.items():
+    for leaf, value in jax.tree_util.tree_flatten_with_path(p[linen_name])[0]:
+      keys = [str(k.key) for k in leaf]
+      target = nnx_params[attr]
+      for k in keys[:-1]:
+        target = target[k]
+      target[keys[-1]].set_value(value)
+
+  def nnx_loss(params, ids):
+    return head(nnx.merge(graphdef, params)(ids))
+
+  np.testing.assert_allclose(
+    nnx_loss(nnx_params, ids), head(linen.apply(linen_params, ids)), rtol=1e-6
+  )
+  _, _, tx, _, linen_updates = one_update(
+    lambda p, ids: head(linen.apply(p, ids)), linen_params, ids, damping=DAMPING
+  )
+  _, _, nnx_tx, _, nnx_updates = one_update(nnx_loss, nnx_params, ids, damping=DAMPING)
+  assert len(nnx_tx.plan.layers) == len(tx.plan.layers) == 7
+  assert [s.kind for s, _ in nnx_tx.plan.layers] == [s.kind for s, _ in tx.plan.layers]
+  for linen_name, attr in names.items():
+    for leaf, value in jax.tree_util.tree_flatten_with_path(linen_updates["params"][linen_name])[0]:
+      keys = [str(k.key) for k in leaf]
+      target = nnx_updates[attr]
+      for k in keys:
+        target = target[k]
+      np.testing.assert_allclose(target.get_value(), value, rtol=2e-4, atol=1e-6)
