@@ -1,96 +1,146 @@
-"""Command line: ``python -m experiments [compare|run] ...``.
+"""Command line: ``python -m experiments [compare|run|sweep|table] ...``.
 
-``compare`` (the default) trains several optimizers on one task, writes one
-JSON-lines file per run and a figure, and prints a table of steps and seconds
-to the task's target. ``run`` trains one optimizer.
+``compare`` (the default) trains several optimizers on one task for every seed,
+writes one JSON-lines file per run, a figure (``compare.png``) and a Markdown
+table (``table.md``) of steps and seconds to the task's target and the final
+metric (mean +- std over seeds). ``run`` trains one optimizer (the first given).
+``sweep`` tries each optimizer's grid on a validation split and writes the
+chosen settings to ``best.json``; ``compare`` and ``run`` use them when present
+(``--settings``), the defaults otherwise. ``table`` rebuilds the figure and
+``table.md`` from the results files of an earlier ``compare`` (no training).
+Everything goes to ``OUT/TASK/``.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
+import json
 from pathlib import Path
+from typing import Any
 
 from experiments import optimizers, tasks
 from experiments.plots import plot_runs
+from experiments.report import markdown_table
+from experiments.sweep import sweep
 from experiments.train import train
 
-
-def to_target(records, target: float, higher_is_better: bool):
-  """``(step, seconds)`` of the first evaluation that reaches the target, or None."""
-  for r in records:
-    if (r["metric"] >= target) if higher_is_better else (r["metric"] <= target):
-      return r["step"], r["wall_seconds"]
-  return None
+DEFAULT_OPTIMIZERS = ["sgd", "adamw", "kfac"]
 
 
-def summarize(task: tasks.Task, runs: dict[str, list[list[dict]]]) -> str:
-  head = f"{'optimizer':<10} {'final ' + task.metric_name:>20} {'steps to target':>16} {'seconds to target':>18}"
-  lines = [f"{task.name}: target {task.metric_name} {task.target}", head]
-  seconds_to = {}
-  for name, seeds in runs.items():
-    finals = [s[-1]["metric"] for s in seeds]
-    hits = [to_target(s, task.target, task.higher_is_better) for s in seeds]
-    reached = [h for h in hits if h is not None]
-    final = f"{statistics.mean(finals):.4f}" + (
-      f" +- {statistics.stdev(finals):.4f}" if len(finals) > 1 else ""
-    )
-    if len(reached) == len(hits):
-      steps = statistics.mean(h[0] for h in reached)
-      secs = statistics.mean(h[1] for h in reached)
-      seconds_to[name] = secs
-      lines.append(f"{name:<10} {final:>20} {steps:>16.0f} {secs:>18.2f}")
-    else:
-      lines.append(
-        f"{name:<10} {final:>20} {'not reached':>16} {f'({len(reached)}/{len(hits)} seeds)':>18}"
-      )
-  baselines = {k: v for k, v in seconds_to.items() if k != "kfac"}
-  if "kfac" in seconds_to and baselines:
-    best = min(baselines, key=baselines.get)
-    ratio = seconds_to["kfac"] / baselines[best]
-    lines.append(
-      f"kfac time to target / best baseline ({best}): {ratio:.2f} ({(1 - ratio) * 100:+.0f}% less time)"
-    )
-  return "\n".join(lines)
-
-
-def main(argv=None) -> None:
+def parse(argv: list[str] | None) -> argparse.Namespace:
+  """The command-line arguments."""
   parser = argparse.ArgumentParser(
     prog="python -m experiments", description=__doc__.splitlines()[0]
   )
-  parser.add_argument("mode", nargs="?", default="compare", choices=["compare", "run"])
+  parser.add_argument(
+    "mode", nargs="?", default="compare", choices=["compare", "run", "sweep", "table"]
+  )
   parser.add_argument("--task", default="mnist1d", choices=sorted(tasks.TASKS))
   parser.add_argument(
     "--optimizers",
     nargs="+",
-    default=["sgd", "adam", "kfac"],
+    default=DEFAULT_OPTIMIZERS,
     choices=sorted(optimizers.DEFAULTS),
-    help="optimizers to compare (compare mode); the first one only in run mode",
+    help="optimizers to compare or sweep; the first one only in run mode",
   )
   parser.add_argument(
-    "--steps", type=int, default=None, help="training steps (default: the task's)"
+    "--steps",
+    type=int,
+    default=None,
+    help="training steps (default: the task's steps, or its sweep budget in sweep mode)",
   )
-  parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+  parser.add_argument(
+    "--seeds", type=int, nargs="+", default=[0], help="seeds (sweep mode: the first)"
+  )
   parser.add_argument("--eval-every", type=int, default=50)
   parser.add_argument("--out", type=Path, default=Path("results"))
-  args = parser.parse_args(argv)
+  parser.add_argument(
+    "--settings",
+    type=Path,
+    default=None,
+    help="a sweep's best.json (default: OUT/TASK/best.json when it exists)",
+  )
+  parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+  return parser.parse_args(argv)
 
+
+def main(argv: list[str] | None = None) -> None:
+  """Runs the mode the arguments name."""
+  args = parse(argv)
   task = tasks.TASKS[args.task]()
-  steps = args.steps or task.steps
-  names = args.optimizers if args.mode == "compare" else args.optimizers[:1]
   out = args.out / task.name
   out.mkdir(parents=True, exist_ok=True)
+  if args.mode == "sweep":
+    steps = args.steps or task.sweep_steps
+    summary = sweep(
+      task, args.optimizers, steps, args.seeds[0], args.eval_every, out, not args.no_progress
+    )
+    for name in args.optimizers:
+      print(f"{name}: {summary['best'][name]}")
+    print(f"results: {out}/best.json, {out}/sweep.md, {out}/sweep/*.jsonl")
+    return
+
+  names = args.optimizers if args.mode in ("compare", "table") else args.optimizers[:1]
+  if args.mode == "table":
+    runs = {n: [read_records(out / f"{n}-seed{s}.jsonl") for s in args.seeds] for n in names}
+  else:
+    runs = train_all(task, names, args, out)
+  write_outputs(task, runs, out, args.mode)
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+  """The records of a JSON-lines results file."""
+  return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def train_all(
+  task: tasks.Task, names: list[str], args: argparse.Namespace, out: Path
+) -> dict[str, list[list[dict[str, Any]]]]:
+  """Trains every optimizer for every seed, with the sweep's settings when there are any."""
+  steps = args.steps or task.steps
+  best = optimizers.load_best(args.settings or out / "best.json")
   runs = {}
   for name in names:
-    opt = optimizers.DEFAULTS[name]
+    opt, source = optimizers.choose(name, best)
     runs[name] = [
-      train(task, opt, steps, seed, args.eval_every, out / f"{name}-seed{seed}.jsonl")
+      train(
+        task,
+        opt,
+        steps,
+        seed,
+        args.eval_every,
+        out / f"{name}-seed{seed}.jsonl",
+        not args.no_progress,
+        extra_config={"settings_from": source},
+      )
       for seed in args.seeds
     ]
-  figure = out / ("compare.png" if args.mode == "compare" else f"{names[0]}.png")
-  plot_runs(runs, task.metric_name, task.target, figure)
-  print(summarize(task, runs))
-  print(f"results: {out}/*.jsonl, figure: {figure}")
+  return runs
+
+
+def settings_source(runs: dict[str, list[list[dict[str, Any]]]]) -> str:
+  """Which optimizers ran with a sweep's settings and which with the defaults."""
+  by_source: dict[str, list[str]] = {}
+  for name, seeds in runs.items():
+    by_source.setdefault(seeds[0][0]["config"].get("settings_from", "default"), []).append(name)
+  labels = {"sweep": "from the sweep (best.json)", "default": "defaults"}
+  return "; ".join(f"{labels.get(k, k)} for {', '.join(v)}" for k, v in by_source.items())
+
+
+def write_outputs(
+  task: tasks.Task, runs: dict[str, list[list[dict[str, Any]]]], out: Path, mode: str
+) -> None:
+  """The figure, and in compare and table modes ``table.md``; prints the table."""
+  names = list(runs)
+  figure = out / (f"{names[0]}.png" if mode == "run" else "compare.png")
+  plot_runs(runs, task.metric_name, task.target, figure, task.higher_is_better)
+  table = markdown_table(task, runs, settings_source(runs))
+  print(table)
+  written = f"results: {out}/*.jsonl, figure: {figure}"
+  if mode != "run":
+    (out / "table.md").write_text(table)
+    written += f", table: {out}/table.md"
+  print(written)
 
 
 if __name__ == "__main__":

@@ -6,27 +6,45 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 
+def curves(
+  seeds: list[list[dict[str, Any]]], key: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Mean, minimum and maximum over seeds of ``key`` at each evaluation they share."""
+  n = min(len(s) for s in seeds)
+  values = np.array([[s[i][key] for i in range(n)] for s in seeds])
+  return values.mean(0), values.min(0), values.max(0)
+
+
 def plot_runs(
-  runs: dict[str, list[list[dict[str, Any]]]], metric_name: str, target: float, path: Path
+  runs: dict[str, list[list[dict[str, Any]]]],
+  metric_name: str,
+  target: float,
+  path: Path,
+  higher_is_better: bool = True,
 ) -> None:
-  """One line per optimizer (mean over seeds); a 2x2 grid of loss/metric vs steps/seconds."""
+  """A 2x2 grid, loss and metric against steps (top) and training wall-clock (bottom).
+
+  One line per optimizer: the mean over seeds, with a band from the lowest to
+  the highest seed when there are several. A metric where lower is better (an error)
+  is drawn on a log scale.
+  """
   fig, axes = plt.subplots(2, 2, figsize=(11, 8))
   for name, seeds in runs.items():
     n = min(len(s) for s in seeds)
-    steps = [seeds[0][i]["step"] for i in range(n)]
-    loss, metric, wall = (
-      [sum(s[i][key] for s in seeds) / len(seeds) for i in range(n)]
-      for key in ("train_loss", "metric", "wall_seconds")
-    )
-    axes[0, 0].plot(steps, loss, label=name)
-    axes[0, 1].plot(steps, metric, label=name)
-    axes[1, 0].plot(wall, loss, label=name)
-    axes[1, 1].plot(wall, metric, label=name)
+    steps = np.array([seeds[0][i]["step"] for i in range(n)])
+    wall = curves(seeds, "wall_seconds")[0]
+    for col, key in enumerate(("train_loss", "metric")):
+      mean, lo, hi = curves(seeds, key)
+      for row, x in enumerate((steps, wall)):
+        (line,) = axes[row, col].plot(x, mean, label=name)
+        if len(seeds) > 1:
+          axes[row, col].fill_between(x, lo, hi, color=line.get_color(), alpha=0.2)
   for ax in axes[0]:
     ax.set_xlabel("step")
   for ax in axes[1]:
@@ -36,9 +54,13 @@ def plot_runs(
     ax.set_yscale("log")
   for ax in axes[:, 1]:
     ax.set_ylabel(metric_name)
-    ax.axhline(target, color="gray", linestyle="--", linewidth=0.8, label=f"target {target}")
-    lo = min(line.get_ydata().min() for line in ax.get_lines() if len(line.get_ydata()) > 2)
-    ax.set_ylim(max(lo, target - 0.3), None)
+    ax.axhline(target, color="gray", linestyle="--", linewidth=0.8, label=f"target {target:g}")
+    if higher_is_better:
+      lines = [ln.get_ydata() for ln in ax.get_lines() if len(ln.get_ydata()) > 2]
+      lo = min((y.min() for y in lines), default=target)
+      ax.set_ylim(max(lo, target - 0.3), None)
+    else:
+      ax.set_yscale("log")
   for ax in axes.flat:
     ax.grid(alpha=0.3)
     ax.legend()

@@ -22,6 +22,7 @@ from experiments.tasks import Task
 
 
 def versions() -> dict[str, str]:
+  """Versions of the packages a result depends on, and of Python."""
   pkgs = ("jax", "jaxlib", "flax", "optax", "kaisa_jax")
   out = {p: importlib.metadata.version(p) for p in pkgs}
   out["python"] = platform.python_version()
@@ -45,48 +46,63 @@ def train(
   eval_every: int = 50,
   out: Path | None = None,
   progress: bool = True,
+  extra_config: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
   """Trains and returns one record per evaluation (also written as JSON lines to ``out``).
 
-  ``wall_seconds`` counts training steps only (compilation and evaluation excluded).
+  Each record holds ``step``, ``wall_seconds`` (training steps only: compilation
+  and evaluation excluded), ``train_loss`` (on the whole training set, evaluation
+  mode), ``metric`` (on the held-out set), K-FAC's health counters, ``config``
+  (task, seed, optimizer settings and ``extra_config``) and ``versions``.
+  The model state (BatchNorm's ``batch_stats``) is carried from step to step.
+  Raises `FloatingPointError` when the training loss becomes NaN or infinite.
   """
   x, y = (jnp.asarray(a) for a in task.train)
   x_test, y_test = (jnp.asarray(a) for a in task.test)
-  params = task.model.init(jax.random.key(seed), x[:1])
-  grad_fn = kaisa_jax.value_and_grad(task.loss)
+  params, state = task.init(jax.random.key(seed), x[:1])
+  grad_fn = kaisa_jax.value_and_grad(task.loss, has_aux=True, n_examples=task.n_examples())
   layers = None
   if opt.name == "kfac":
-    layers = grad_fn.layers(params, x[: task.batch_size], y[: task.batch_size])
+    layers = grad_fn.layers(params, state, x[: task.batch_size], y[: task.batch_size])
   tx = build(opt, steps, layers)
   opt_state = tx.init(params)
 
   @jax.jit
-  def step(params, opt_state, xb, yb):
+  def step(params, state, opt_state, xb, yb):
     if layers is None:
-      loss, grads = jax.value_and_grad(task.loss)(params, xb, yb)
+      (loss, state), grads = jax.value_and_grad(task.loss, has_aux=True)(params, state, xb, yb)
       updates, opt_state = tx.update(grads, opt_state, params)
     else:
-      loss, grads, curvature = grad_fn(params, xb, yb)
+      (loss, state), grads, curvature = grad_fn(params, state, xb, yb)
       updates, opt_state = tx.update(grads, opt_state, params, curvature=curvature)
-    return optax.apply_updates(params, updates), opt_state, loss
+    return optax.apply_updates(params, updates), state, opt_state, loss
 
   @jax.jit
-  def evaluate(params):
-    return task.loss(params, x, y), task.metric(params, x_test, y_test)
+  def evaluate(params, state):
+    return task.evaluate(params, state, (x, y), (x_test, y_test))
 
-  config = {"task": task.name, "seed": seed, "steps": steps, "batch_size": task.batch_size}
-  config |= opt.config()
+  config = {
+    "task": task.name,
+    "seed": seed,
+    "steps": steps,
+    "batch_size": task.batch_size,
+    "metric_name": task.metric_name,
+    "target": task.target,
+    "higher_is_better": task.higher_is_better,
+  }
+  config |= opt.config() | (extra_config or {})
   meta = {"config": config, "versions": versions()}
   index = batches(len(task.train[0]), task.batch_size, seed)
   first = next(index)
-  step.lower(params, opt_state, x[first], y[first]).compile()  # compile outside the clock
+  # Compile outside the clock.
+  step.lower(params, state, opt_state, x[first], y[first]).compile()
   records: list[dict[str, Any]] = []
   wall = 0.0
   sink = out.open("w") if out is not None else None
   bar = tqdm(total=steps, desc=f"{task.name}/{opt.name}/seed{seed}", disable=not progress)
 
   def record(k: int) -> None:
-    loss, metric = (float(v) for v in evaluate(params))
+    loss, metric = (float(v) for v in evaluate(params, state))
     rec = {"step": k, "wall_seconds": wall, "train_loss": loss, "metric": metric}
     if layers is not None:  # K-FAC's health counters
       kfac_state = opt_state[0]
@@ -96,23 +112,25 @@ def train(
     records.append(rec)
     if sink is not None:
       sink.write(json.dumps(rec) + "\n")
+      sink.flush()
     bar.set_postfix(loss=f"{loss:.4f}", metric=f"{metric:.4f}")
 
-  record(0)
-  idx = first
-  for k in range(1, steps + 1):
-    start = time.perf_counter()
-    params, opt_state, loss = step(params, opt_state, x[idx], y[idx])
-    loss.block_until_ready()
-    wall += time.perf_counter() - start
-    if not np.isfinite(float(loss)):
-      bar.close()
-      raise FloatingPointError(f"{opt.name} diverged at step {k} (loss {float(loss)})")
-    idx = next(index)
-    bar.update(1)
-    if k % eval_every == 0 or k == steps:
-      record(k)
-  bar.close()
-  if sink is not None:
-    sink.close()
+  try:
+    record(0)
+    idx = first
+    for k in range(1, steps + 1):
+      start = time.perf_counter()
+      params, state, opt_state, loss = step(params, state, opt_state, x[idx], y[idx])
+      loss.block_until_ready()
+      wall += time.perf_counter() - start
+      if not np.isfinite(float(loss)):
+        raise FloatingPointError(f"{opt.name} diverged at step {k} (loss {float(loss)})")
+      idx = next(index)
+      bar.update(1)
+      if k % eval_every == 0 or k == steps:
+        record(k)
+  finally:
+    bar.close()
+    if sink is not None:
+      sink.close()
   return records

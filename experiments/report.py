@@ -1,0 +1,112 @@
+"""Summaries of runs: steps and seconds to the target, final metric, as a Markdown table."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from experiments.tasks import Task
+
+Record = dict[str, Any]
+
+
+def to_target(records: Sequence[Record], task: Task) -> tuple[int, float] | None:
+  """``(step, wall seconds)`` of the first evaluation that reaches the target, or None."""
+  for r in records:
+    if task.reached(r["metric"]):
+      return r["step"], r["wall_seconds"]
+  return None
+
+
+def mean_std(values: Sequence[float], digits: int = 4) -> str:
+  """``"mean +- std"`` (sample standard deviation; the mean alone for one value)."""
+  text = f"{statistics.mean(values):.{digits}f}"
+  return text + (f" +- {statistics.stdev(values):.{digits}f}" if len(values) > 1 else "")
+
+
+def settings_text(config: Record) -> str:
+  """The swept settings of a run's config, e.g. ``"lr 0.1, damping 0.01"``."""
+  keys = ("lr", "damping")
+  return ", ".join(f"{k} {config[k]:g}" for k in keys if k in config)
+
+
+def optimizer_row(task: Task, seeds: Sequence[Sequence[Record]]) -> dict[str, Any]:
+  """Steps and seconds to target (means over seeds, None unless every seed reached it)."""
+  hits = [to_target(s, task) for s in seeds]
+  reached = [h for h in hits if h is not None]
+  everywhere = len(reached) == len(hits)
+  return {
+    "settings": settings_text(seeds[0][-1]["config"]),
+    "reached": len(reached),
+    "seeds": len(hits),
+    "steps": statistics.mean(h[0] for h in reached) if everywhere else None,
+    "seconds": statistics.mean(h[1] for h in reached) if everywhere else None,
+    "final": [s[-1]["metric"] for s in seeds],
+    "final_seconds": [s[-1]["wall_seconds"] for s in seeds],
+  }
+
+
+def kfac_ratio(rows: dict[str, dict[str, Any]]) -> str:
+  """K-FAC's steps and time to target relative to the fastest (by time) baseline."""
+  if "kfac" not in rows or rows["kfac"]["seconds"] is None:
+    return "K-FAC did not reach the target on every seed: no ratio."
+  baselines = {k: r for k, r in rows.items() if k != "kfac" and r["seconds"] is not None}
+  if not baselines:
+    return "No baseline reached the target on every seed: no ratio."
+  best = min(baselines, key=lambda k: baselines[k]["seconds"])
+  time_ratio = rows["kfac"]["seconds"] / baselines[best]["seconds"]
+  step_ratio = rows["kfac"]["steps"] / baselines[best]["steps"]
+  change = f"{abs(1 - time_ratio) * 100:.0f}% {'less' if time_ratio <= 1 else 'more'} time"
+  return (
+    f"K-FAC time to target / best baseline ({best}): {time_ratio:.2f}x "
+    f"({change}); steps: {step_ratio:.2f}x."
+  )
+
+
+def markdown_table(task: Task, runs: dict[str, list[list[Record]]], source: str) -> str:
+  """The comparison as Markdown: one row per optimizer, then K-FAC's ratio."""
+  rows = {name: optimizer_row(task, seeds) for name, seeds in runs.items()}
+  first = next(iter(runs.values()))
+  steps = first[0][-1]["step"]
+  seed_list = " ".join(str(s[0]["config"]["seed"]) for s in first)
+  direction = ">=" if task.higher_is_better else "<="
+  lines = [
+    f"# {task.name}: {task.metric_name}, target {direction} {task.target:g}",
+    "",
+    f"Seeds {seed_list}; {steps} steps, batch {task.batch_size}; settings: {source}. "
+    "Steps and seconds to target: first evaluation at the target, mean over seeds "
+    "(training wall-clock, compilation and evaluation excluded).",
+    "",
+    f"| optimizer | settings | steps to target | seconds to target | final {task.metric_name} | training seconds |",
+    "|---|---|---|---|---|---|",
+  ]
+  for name, r in rows.items():
+    if r["steps"] is None:
+      missing = f"not reached ({r['reached']}/{r['seeds']} seeds)"
+      steps_text = seconds_text = missing
+    else:
+      steps_text, seconds_text = f"{r['steps']:.0f}", f"{r['seconds']:.2f}"
+    lines.append(
+      f"| {name} | {r['settings']} | {steps_text} | {seconds_text} | {mean_std(r['final'])} "
+      f"| {mean_std(r['final_seconds'], 1)} |"
+    )
+  lines += ["", kfac_ratio(rows), ""]
+  return "\n".join(lines)
+
+
+def sweep_table(task: Task, trials: dict[str, list[Record]], steps: int) -> str:
+  """The sweep's trials as Markdown, the chosen one in bold per optimizer."""
+  lines = [
+    f"# {task.name} sweep: final {task.metric_name}, {steps} steps",
+    "",
+    "| optimizer | settings | final metric | training seconds |",
+    "|---|---|---|---|",
+  ]
+  for name, rows in trials.items():
+    for t in rows:
+      metric = "diverged" if t["final_metric"] is None else f"{t['final_metric']:.4f}"
+      mark = "**" if t["chosen"] else ""
+      settings = ", ".join(f"{k} {v:g}" for k, v in t["settings"].items())
+      lines.append(f"| {name} | {mark}{settings}{mark} | {metric} | {t['wall_seconds']:.1f} |")
+  return "\n".join([*lines, ""])

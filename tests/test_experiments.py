@@ -1,0 +1,128 @@
+"""Smoke tests of the experiments: a few steps per task and optimizer on tiny data.
+
+They check the results files' fields, the figures, the table, the sweep's
+best.json and that a run is reproducible bit for bit (wall-clock aside).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+
+from experiments import __main__ as cli
+from experiments import optimizers, report, tasks
+from experiments.train import train
+
+FIELDS = {"step", "wall_seconds", "train_loss", "metric", "config", "versions"}
+CONFIG = {"task", "seed", "steps", "batch_size", "optimizer", "lr", "metric_name", "target"}
+OPTIMIZERS = ["sgd", "adamw", "kfac"]
+
+
+def small(name: str) -> tasks.Task:
+  """The task at a toy size: small model, 96 training and 32 held-out examples, batch 16."""
+  build = {
+    "mnist1d": functools.partial(tasks.mnist1d, num_samples=300),
+    "autoencoder": functools.partial(tasks.autoencoder, widths=(32, 16, 4)),
+    "resnet": functools.partial(tasks.resnet, (8,), num_samples=300),
+  }
+  return tasks.subset(build[name](), 96, 32, 16)
+
+
+@pytest.fixture
+def small_tasks(monkeypatch):
+  for name in ("mnist1d", "autoencoder", "resnet"):
+    monkeypatch.setitem(tasks.TASKS, name, functools.partial(small, name))
+
+
+def read(path):
+  return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def strip_wall(records):
+  return [{k: v for k, v in r.items() if k != "wall_seconds"} for r in records]
+
+
+@pytest.mark.parametrize("task", ["mnist1d", "autoencoder", "resnet"])
+def test_compare_writes_records_figure_table_reproducibly(task, small_tasks, tmp_path):
+  argv = ["compare", "--task", task, "--steps", "3", "--eval-every", "2"]
+  cli.main([*argv, "--out", str(tmp_path), "--no-progress"])
+  out = tmp_path / task
+  for name in OPTIMIZERS:
+    records = read(out / f"{name}-seed0.jsonl")
+    assert [r["step"] for r in records] == [0, 2, 3]
+    for r in records:
+      assert set(r) >= FIELDS, set(r)
+      assert set(r["config"]) >= CONFIG
+      assert r["config"]["optimizer"] == name and r["config"]["settings_from"] == "default"
+      assert {"jax", "flax", "optax", "kaisa_jax", "python"} <= set(r["versions"])
+    assert records[-1]["wall_seconds"] > 0
+    if name == "kfac":
+      assert records[-1]["skipped_factor_updates"] == 0
+      assert records[-1]["failed_decompositions"] == 0
+  assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  table = (out / "table.md").read_text()
+  for name in OPTIMIZERS:
+    assert f"| {name} |" in table
+  assert "K-FAC" in table
+  # The same seed again gives the same records bit for bit (wall-clock aside).
+  kfac, extra = optimizers.DEFAULTS["kfac"], {"settings_from": "default"}
+  again = train(small(task), kfac, 3, 0, 2, progress=False, extra_config=extra)
+  assert strip_wall(again) == strip_wall(read(out / "kfac-seed0.jsonl"))
+  if task == "mnist1d":  # table mode rebuilds the same table from the results files
+    (out / "table.md").unlink()
+    cli.main(["table", "--task", task, "--out", str(tmp_path)])
+    assert (out / "table.md").read_text() == table
+
+
+def test_sweep_chooses_on_validation_and_compare_uses_it(small_tasks, monkeypatch, tmp_path):
+  grid = {"sgd": [{"lr": 0.01}, {"lr": 0.1}], "kfac": [{"lr": 0.1, "damping": 1e-2}]}
+  monkeypatch.setattr(optimizers, "GRID", grid)
+  common = ["--task", "mnist1d", "--optimizers", "sgd", "kfac", "--eval-every", "2"]
+  cli.main(["sweep", *common, "--steps", "2", "--out", str(tmp_path), "--no-progress"])
+  out = tmp_path / "mnist1d"
+  summary = json.loads((out / "best.json").read_text())
+  assert set(summary["best"]) == {"sgd", "kfac"}
+  assert [t["settings"] for t in summary["trials"]["sgd"]] == grid["sgd"]
+  assert sum(t["chosen"] for t in summary["trials"]["kfac"]) == 1
+  trial = read(out / "sweep" / "sgd-trial0.jsonl")[-1]
+  assert trial["config"]["metric_name"] == "validation accuracy"
+  assert (out / "sweep.md").exists()
+
+  cli.main(["run", *common, "--steps", "2", "--out", str(tmp_path), "--no-progress"])
+  record = read(out / "sgd-seed0.jsonl")[-1]
+  assert record["config"]["settings_from"] == "sweep"
+  assert record["config"]["lr"] == summary["best"]["sgd"]["lr"]
+  assert (out / "sgd.png").exists()
+
+
+def test_validation_split_is_carved_from_training_set():
+  t = small("autoencoder")
+  v = tasks.with_validation(t, 0.25)
+  assert len(v.train[0]) == 72 and len(v.test[0]) == 24
+  train_rows = {r.tobytes() for r in t.train[0]}
+  assert all(r.tobytes() in train_rows for r in v.test[0])
+  assert v.metric_name.startswith("validation")
+
+
+def test_table_reports_misses_and_kfac_ratio():
+  task = small("autoencoder")  # lower is better, target 0.01
+
+  def run(metrics, seconds, seed):
+    config = {"seed": seed, "lr": 0.1}
+    return [
+      {"step": 10 * i, "wall_seconds": s, "metric": m, "config": config}
+      for i, (m, s) in enumerate(zip(metrics, seconds))
+    ]
+
+  runs = {
+    "sgd": [run([0.3, 0.02, 0.009], [0, 1, 2], 0), run([0.3, 0.008, 0.007], [0, 1, 2], 1)],
+    "adamw": [run([0.3, 0.2, 0.1], [0, 1, 2], 0), run([0.3, 0.009, 0.008], [0, 1, 2], 1)],
+    "kfac": [run([0.3, 0.005, 0.004], [0, 3, 6], 0), run([0.3, 0.006, 0.004], [0, 3, 6], 1)],
+  }
+  table = report.markdown_table(task, runs, "defaults")
+  assert "| sgd | lr 0.1 | 15 | 1.50 | 0.0080 +- 0.0014 |" in table
+  assert "not reached (1/2 seeds)" in table
+  assert "best baseline (sgd): 2.00x" in table
+  assert "steps: 0.67x" in table
