@@ -19,8 +19,9 @@ whose preconditioning and amortised decompositions would cost more than
 cheaper treatment that fits, in order of faithfulness: the inverse method, the
 larger side diagonal, both sides diagonal. An embedding's input side is always
 diagonal (its inputs are one-hot). Normalisation layers always get the exact
-eigen method on their 2x2 blocks (or their diagonal, when asked for). Factor statistics are left out of
-the rule: their cost is set by ``factor_update_steps``, which the user picks.
+eigen method on their 2x2 blocks (or their diagonal, when asked for). Factor
+statistics are left out of the rule: their cost is set by
+``factor_update_steps``, which the user picks.
 """
 
 from __future__ import annotations

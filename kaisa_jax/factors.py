@@ -16,7 +16,8 @@ several rows that share the weight (sequence positions, output pixels), the
 ``"reduce"`` variant first reduces each example's rows, the inputs by their
 mean and the output gradients by their sum, then
 ``A = mean_examples a~ a~^T`` and ``G = (1/n) sum_examples (n g~)(n g~)^T``:
-cheaper, and exact for a linear layer whose output is summed over positions.
+cheaper, and the paper's choice when the loss has one term per example (the
+positions are pooled before the output) rather than one per position.
 
 Running average: the factors start at zero and are averaged with bias
 correction, ``F <- F + w (F_batch - F)`` with ``w = (1 - decay) / W`` and
@@ -82,7 +83,12 @@ def _embedding_lookup(
 
 
 def _normalisation(
-  spec: layers_lib.LayerSpec, x: Array, g: Array, n: Array, diagonal: bool, dtype: Any
+  spec: layers_lib.LayerSpec,
+  x: Array,
+  g: Array,
+  n: Array,
+  diagonal: tuple[bool, bool],
+  dtype: Any,
 ) -> tuple[Array, Array]:
   """A normalisation layer: the exact per-example Fisher block of ``(scale, bias)``.
 
