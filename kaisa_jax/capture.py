@@ -10,6 +10,15 @@ pass; nothing is evaluated twice.
 The perturbations need the shapes of the layer outputs, so the loss is first
 traced abstractly (`jax.eval_shape`, no computation). The same abstract trace
 gives the registry of layers (`Layers`) that `kaisa_jax.kfac` is built from.
+
+Layers inside ``lax.scan``, ``jax.vmap`` and ``jax.checkpoint`` (and so inside
+``nn.scan``, ``nn.vmap`` and ``nn.remat``) run in a trace of their own, whose
+values cannot leave it as side effects. While the loss runs, those three are
+wrapped: the perturbations of the layers inside enter as extra scanned, mapped
+or plain operands, and the recorded inputs leave as extra outputs, stacked
+along one leading axis per scan or vmap. A layer whose parameters carry the
+same leading axes (``variable_axes={"params": 0}``) becomes one layer per
+slice; one whose parameters are shared becomes one call per iteration.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fnmatch
+import functools
 import types
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -27,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from flax.core import FrozenDict
+from flax.core import tracers as flax_tracers
 
 from kaisa_jax import layers as layers_lib
 
@@ -94,7 +105,11 @@ class Layers:
 
 @dataclasses.dataclass
 class _Call:
-  """One intercepted call of a supported layer, in call order."""
+  """One intercepted call of a supported layer, in call order.
+
+  ``depth`` counts the mapping transformations (``lax.scan``, ``vmap``) the
+  call is inside: its recorded arrays carry one leading axis for each.
+  """
 
   name: str
   method: str
@@ -102,6 +117,20 @@ class _Call:
   out: jax.ShapeDtypeStruct
   rows: int
   varying: tuple[str, ...]
+  depth: int
+  module_type: str
+
+
+class _Slot(NamedTuple):
+  """Where one call of a preconditioned layer comes from: ``(call, index)``.
+
+  ``index`` picks the call out of the axes added by the scans and vmaps around
+  it (empty for a call outside them).
+  """
+
+  layer: str
+  call: int
+  index: tuple[int, ...]
 
 
 def _varying_axes(x: Any) -> tuple[str, ...]:
@@ -110,9 +139,200 @@ def _varying_axes(x: Any) -> tuple[str, ...]:
   return tuple(sorted(getattr(manual, "varying", ())))
 
 
-def _trace_of(x: Any) -> Any:
-  """The JAX trace a traced value belongs to (``None`` for concrete arrays)."""
-  return getattr(x, "_trace", None)
+class _Frame:
+  """The loss, or the body of a scan, vmap or checkpoint inside it.
+
+  Attributes:
+    trace: the JAX trace the body runs in; layers called in another trace
+      (a ``lax.cond`` branch, say) are not captured.
+    feed: output perturbations of the calls in this body, by call number,
+      with a leading axis for each mapping transformation still around them.
+    record: what the calls in this body record, by call number; a mapping
+      transformation stacks it along a new leading axis on the way out.
+    mapped: whether the body is mapped (scan, vmap) rather than only
+      rematerialised (checkpoint).
+  """
+
+  def __init__(self, feed: dict[int, Array], mapped: bool):
+    self.trace = flax_tracers.current_trace()
+    self.feed = feed
+    self.record: dict[int, Any] = {}
+    self.mapped = mapped
+
+
+class _Session:
+  """One evaluation of the loss under capture: its frames and its numbered calls.
+
+  Layer calls are numbered in the order they run, and so are the bodies of
+  scans, vmaps and checkpoints; the abstract trace fills ``ends`` (the call
+  number after each body) and the real evaluation reads it to feed each body
+  the perturbations of its calls. A body traced twice (JAX may retrace a scan
+  body) restarts its numbering.
+
+  ``on_call(session, number, name, module, method, kind, call, args, kwargs)``
+  handles each call of a layer kind in the innermost frame's trace; ``call()``
+  runs the layer.
+  """
+
+  def __init__(
+    self,
+    params: Any,
+    selection: _Selection,
+    on_call: Callable[..., Any],
+    feed: dict[int, Array],
+    ends: dict[int, int],
+  ):
+    self.leaf_paths = {id(leaf): path for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
+    self.selection = selection
+    self.on_call = on_call
+    self.frames = [_Frame(feed, mapped=False)]
+    self.calls = 0
+    self.bodies = 0
+    self.ends = ends
+    self.skipped: dict[str, Skipped] = {}
+    self.elsewhere: dict[str, str] = {}  # layers called in a trace no frame follows
+    self.nnx_lifted: set[str] = set()  # NNX layer types called inside a transformation
+
+  def skip(self, name: str, module: Any, reason: str) -> None:
+    self.skipped[name] = Skipped(name, type(module).__name__, reason)
+
+  def intercept(self, next_fun, args, kwargs, context):
+    """The interceptor: numbers the calls of layer kinds and hands them to ``on_call``."""
+    module, method = context.module, context.method_name
+    if _bypass:
+      return next_fun(*args, **kwargs)
+    name = _module_name(module, self.leaf_paths)
+    kind = _kind(module, self.selection)
+    if kind is None or method not in dict(kind.methods):
+      if kind is None and _direct_params(module) and name not in self.skipped:
+        reason = "unsupported layer type; gradients pass through"
+        if layers_lib.find_kind(module) is not None:  # a normalisation layer
+          reason = "normalisation layer, passed through (value_and_grad(normalization=...))"
+        self.skip(name, module, reason)
+      return next_fun(*args, **kwargs)
+    if not self.active():
+      self.elsewhere[name] = type(module).__name__
+      return next_fun(*args, **kwargs)
+    if isinstance(module, nnx.Module) and len(self.frames) > 1:
+      # Inside nnx.scan / nnx.vmap / nnx.remat its parameters are not those given
+      # to the loss, so it cannot be named; `_list_uncaptured_nnx` lists it.
+      self.nnx_lifted.add(type(module).__name__)
+      return next_fun(*args, **kwargs)
+    number = self.calls
+    self.calls += 1
+    call = lambda: next_fun(*args, **kwargs)  # noqa: E731
+    return self.on_call(self, number, name, module, method, kind, call, args, kwargs)
+
+  def active(self) -> bool:
+    """Whether code runs in the innermost frame's own trace."""
+    return flax_tracers.current_trace() == self.frames[-1].trace
+
+  def depth(self) -> int:
+    return sum(f.mapped for f in self.frames)
+
+  def enter(self) -> tuple[int, int, dict[int, Array]]:
+    """Numbers a body; returns its first call, its number and its calls' perturbations."""
+    start, body = self.calls, self.bodies
+    self.bodies += 1
+    end = self.ends.get(body, start)
+    feed = {c: x for c, x in self.frames[-1].feed.items() if start <= c < end}
+    return start, body, feed
+
+  @contextlib.contextmanager
+  def body(self, start: int, body: int, feed: dict[int, Array], mapped: bool):
+    self.calls, self.bodies = start, body + 1
+    frame = _Frame(feed, mapped)
+    self.frames.append(frame)
+    try:
+      yield frame
+    finally:
+      self.frames.pop()
+
+  def leave(self, body: int, record: dict[int, Any]) -> None:
+    self.ends[body] = self.calls
+    self.frames[-1].record.update(record)
+
+
+_session: _Session | None = None
+
+
+def _patched_scan(original: Callable[..., Any]) -> Callable[..., Any]:
+  """``lax.scan`` that threads the perturbations and records of its body's layers."""
+
+  def scan(f, init, xs=None, length=None, **kwargs):
+    s = _session
+    if s is None or not s.active():
+      return original(f, init, xs, length, **kwargs)
+    start, body, feed = s.enter()
+
+    def body_fn(carry, x_and_feed):
+      x, feed = x_and_feed
+      with s.body(start, body, feed, mapped=True) as frame:
+        carry, y = f(carry, x)
+      return carry, (y, frame.record)
+
+    carry, (ys, record) = original(body_fn, init, (xs, feed), length, **kwargs)
+    s.leave(body, record)
+    return carry, ys
+
+  return scan
+
+
+def _patched_vmap(original: Callable[..., Any]) -> Callable[..., Any]:
+  """``jax.vmap`` that threads the perturbations and records of its body's layers."""
+
+  def vmap(fun, in_axes=0, out_axes=0, **kwargs):
+    plain = original(fun, in_axes, out_axes, **kwargs)
+    in_axes = tuple(in_axes) if isinstance(in_axes, list) else in_axes
+
+    @functools.wraps(fun)
+    def mapped(*args, **call_kwargs):
+      s = _session
+      if s is None or not s.active():
+        return plain(*args, **call_kwargs)
+      start, body, feed = s.enter()
+
+      def body_fn(args, feed, **call_kwargs):
+        with s.body(start, body, feed, mapped=True) as frame:
+          out = fun(*args, **call_kwargs)
+        return out, frame.record
+
+      out, record = original(body_fn, (in_axes, 0), (out_axes, 0), **kwargs)(
+        args, feed, **call_kwargs
+      )
+      s.leave(body, record)
+      return out
+
+    return mapped
+
+  return vmap
+
+
+def _patched_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
+  """``jax.checkpoint`` that threads the perturbations and records of its body's layers."""
+
+  def checkpoint(fun, **kwargs):
+    plain = original(fun, **kwargs)
+
+    @functools.wraps(fun)
+    def rematerialised(*args, **call_kwargs):
+      s = _session
+      if s is None or not s.active():
+        return plain(*args, **call_kwargs)
+      start, body, feed = s.enter()
+
+      def body_fn(*args, kaisa_jax_feed, **call_kwargs):
+        with s.body(start, body, kaisa_jax_feed, mapped=False) as frame:
+          out = fun(*args, **call_kwargs)
+        return out, frame.record
+
+      out, record = original(body_fn, **kwargs)(*args, kaisa_jax_feed=feed, **call_kwargs)
+      s.leave(body, record)
+      return out
+
+    return rematerialised
+
+  return checkpoint
 
 
 def _key_name(key: Any) -> str:
@@ -181,14 +401,25 @@ def _param_path(
   return candidates[0][:-1], ()
 
 
+_TRANSFORMS = (
+  (jax.lax, "scan", _patched_scan),
+  (jax, "vmap", _patched_vmap),
+  (jax, "checkpoint", _patched_checkpoint),
+  (jax, "remat", _patched_checkpoint),
+)
+
+
 @contextlib.contextmanager
-def _intercept(interceptor: Callable[..., Any]):
-  """Runs ``interceptor`` around the calls of linen modules and of NNX layer kinds.
+def _capturing(session: _Session):
+  """Runs ``session`` around the layer calls of the loss.
 
   Linen has method interceptors; NNX has none, so the methods of the NNX layer
   classes K-FAC knows are wrapped for the duration (subclasses that keep them
-  are covered too).
+  are covered too). ``lax.scan``, ``jax.vmap`` and ``jax.checkpoint`` (which
+  ``nn.scan``, ``nn.vmap`` and ``nn.remat`` are built on) are wrapped so that
+  layers inside them are captured too.
   """
+  global _session
   patched = []
   for kind in layers_lib.all_kinds():
     for cls in kind.module_types:
@@ -201,16 +432,22 @@ def _intercept(interceptor: Callable[..., Any]):
 
         def wrapper(self, *args, _original=original, _method=method, **kwargs):
           context = types.SimpleNamespace(module=self, method_name=_method)
-          return interceptor(lambda *a, **k: _original(self, *a, **k), args, kwargs, context)
+          return session.intercept(lambda *a, **k: _original(self, *a, **k), args, kwargs, context)
 
-        setattr(cls, method, wrapper)
         patched.append((cls, method, original))
+        setattr(cls, method, wrapper)
+  for owner, name, patch in _TRANSFORMS:
+    original = getattr(owner, name)
+    patched.append((owner, name, original))
+    setattr(owner, name, patch(original))
+  previous, _session = _session, session
   try:
-    with nn.intercept_methods(interceptor):
+    with nn.intercept_methods(session.intercept):
       yield
   finally:
-    for cls, method, original in reversed(patched):
-      setattr(cls, method, original)
+    _session = previous
+    for owner, name, original in reversed(patched):
+      setattr(owner, name, original)
 
 
 class _Selection(NamedTuple):
@@ -269,86 +506,154 @@ def _as_patterns(patterns: str | Sequence[str] | None, arg: str) -> tuple[str, .
   return tuple(patterns)
 
 
+class _Traced(NamedTuple):
+  """What the abstract trace of the loss found, for the real evaluation to follow."""
+
+  calls: dict[int, _Call]
+  count: int
+  ends: dict[int, int]
+  slots: tuple[_Slot, ...]
+  outs: dict[int, jax.ShapeDtypeStruct]
+
+
 def _trace(
   fun: Callable[..., Any], params: Any, args: tuple, kwargs: dict, selection: _Selection
-) -> tuple[Layers, list[_Call]]:
+) -> tuple[Layers, _Traced]:
   """Traces the loss abstractly; returns the registry and the calls in order."""
-  calls: list[_Call] = []
-  skipped: dict[str, Skipped] = {}
+  calls: dict[int, _Call] = {}
+  ends: dict[int, int] = {}
+  sessions: list[_Session] = []
+
+  def on_call(s: _Session, cid: int, name: str, module: Any, method: str, kind, call, *_):
+    out = call()
+    own = _direct_params(module)
+    spec, rows = None, 0
+    if selection.selects(name):
+      try:
+        if not isinstance(out, jax.Array):
+          raise layers_lib.UnsupportedLayerError(
+            f"{method} returned {type(out).__name__}, not one array"
+          )
+        prefix, suffix = _param_path(module, kind.weight, own, s.leaf_paths)
+        spec = layers_lib.make_spec(
+          kind, module, name, prefix, tuple(own[kind.weight].shape), kind.bias in own
+        )
+        spec = dataclasses.replace(
+          spec,
+          param_suffix=suffix,
+          methods=(method,),
+          diagonal_input=spec.diagonal_input
+          or (kind.name in layers_lib.NORMS and selection.normalization == DIAGONAL),
+        )
+        side = spec.kernel_shape[: spec.in_ndim] if kind.transposed(method) else None
+        features = spec.g_dim * spec.groups if side is None else int(np.prod(side))
+        rows = out.size // features
+      except layers_lib.UnsupportedLayerError as e:
+        s.skip(name, module, str(e))
+    elif name not in s.skipped:
+      s.skip(name, module, EXCLUDED)
+    calls[cid] = _Call(
+      name,
+      method,
+      spec,
+      jax.ShapeDtypeStruct(out.shape, out.dtype),
+      rows,
+      _varying_axes(out),
+      s.depth(),
+      type(module).__name__,
+    )
+    if isinstance(out, jax.Array):
+      s.frames[-1].record[cid] = out
+    return out
 
   def traced(params):
-    flat = jax.tree_util.tree_flatten_with_path(params)[0]
-    leaf_paths = {id(leaf): path for path, leaf in flat}
-    outer = _trace_of(flat[0][1]) if flat else None
+    s = _Session(params, selection, on_call, {}, ends)
+    sessions.append(s)
+    with _capturing(s):
+      fun(params, *args, **kwargs)
+    return s.frames[0].record
 
-    def interceptor(next_fun, call_args, call_kwargs, context):
-      module = context.module
-      name = _module_name(module, leaf_paths)
-      method = context.method_name
-      kind = _kind(module, selection)
-      if _bypass or kind is None or method not in dict(kind.methods):
-        if not _bypass and kind is None and _direct_params(module) and name not in skipped:
-          reason = "unsupported layer type; gradients pass through"
-          if layers_lib.find_kind(module) is not None:  # a normalisation layer
-            reason = "normalisation layer, passed through (value_and_grad(normalization=...))"
-          skipped[name] = Skipped(name, type(module).__name__, reason)
-        return next_fun(*call_args, **call_kwargs)
-      out = next_fun(*call_args, **call_kwargs)
-      own = _direct_params(module)
-      spec, rows = None, 0
-      if selection.selects(name):
-        try:
-          if _trace_of(out) is not outer:
-            raise layers_lib.UnsupportedLayerError(
-              "applied inside a Flax lifted transformation (nn.scan, nn.remat, nn.vmap, ...),"
-              " which is not supported yet"
-            )
-          if not isinstance(out, jax.Array):
-            raise layers_lib.UnsupportedLayerError(
-              f"{method} returned {type(out).__name__}, not one array"
-            )
-          prefix, suffix = _param_path(module, kind.weight, own, leaf_paths)
-          spec = layers_lib.make_spec(
-            kind, module, name, prefix, tuple(own[kind.weight].shape), kind.bias in own
-          )
-          spec = dataclasses.replace(
-            spec,
-            param_suffix=suffix,
-            methods=(method,),
-            diagonal_input=spec.diagonal_input
-            or (kind.name in layers_lib.NORMS and selection.normalization == DIAGONAL),
-          )
-          side = spec.kernel_shape[: spec.in_ndim] if kind.transposed(method) else None
-          features = spec.g_dim * spec.groups if side is None else int(np.prod(side))
-          rows = out.size // features
-        except layers_lib.UnsupportedLayerError as e:
-          skipped[name] = Skipped(name, type(module).__name__, str(e))
-      elif name not in skipped:
-        skipped[name] = Skipped(name, type(module).__name__, EXCLUDED)
-      calls.append(
-        _Call(
-          name, method, spec, jax.ShapeDtypeStruct(out.shape, out.dtype), rows, _varying_axes(out)
-        )
+  outs = jax.eval_shape(traced, params)
+  (session,) = sessions
+  skipped = session.skipped
+  for name, module_type in session.elsewhere.items():
+    if all(c.name != name for c in calls.values()):
+      skipped.setdefault(
+        name,
+        Skipped(
+          name,
+          module_type,
+          "applied inside a JAX transformation kaisa_jax does not follow (lax.cond,"
+          " lax.while_loop, custom_vjp, ...); gradients pass through",
+        ),
       )
-      return out
-
-    with _intercept(interceptor):
-      return fun(params, *args, **kwargs)
-
-  jax.eval_shape(traced, params)
-  selection.check_patterns([c.name for c in calls])
-  specs: dict[str, layers_lib.LayerSpec] = {}
-  for c in calls:
+  selection.check_patterns([c.name for c in calls.values()])
+  leaves = dict(jax.tree_util.tree_flatten_with_path(params)[0])
+  stacks: dict[int, int] = {}  # how many leading axes of a call's weight are stacked
+  for cid, c in calls.items():
     if c.spec is None or c.name in skipped:
       continue
-    prev = specs.get(c.name)
-    if prev is None:
-      specs[c.name] = dataclasses.replace(c.spec, rows=c.rows)
-    else:
-      specs[c.name] = dataclasses.replace(
-        prev, methods=(*prev.methods, c.method), rows=prev.rows + c.rows
+    mapped = outs[cid].shape[: c.depth]
+    weight = c.spec.layer_kind.weight
+    leaf = leaves[(*c.spec.param_path, jax.tree_util.DictKey(weight), *c.spec.param_suffix)]
+    stacks[cid] = leaf.ndim - len(c.spec.kernel_shape)
+    stacked = tuple(leaf.shape[: stacks[cid]])
+    if (
+      tuple(leaf.shape[len(stacked) :]) != c.spec.kernel_shape or stacked != mapped[: len(stacked)]
+    ):
+      skipped[c.name] = Skipped(
+        c.name,
+        c.module_type,
+        f"its {weight} has shape {tuple(leaf.shape)} in the params, not its shape "
+        f"{c.spec.kernel_shape} stacked along the leading axes {mapped} of the scans "
+        "and vmaps around it; stack it with variable_axes={'params': 0}",
       )
-  return Layers(tuple(specs.values()), tuple(skipped.values())), calls
+  specs: dict[str, layers_lib.LayerSpec] = {}
+  slots: list[_Slot] = []
+  for cid in sorted(calls):
+    c = calls[cid]
+    if c.spec is None or c.name in skipped:
+      continue
+    for index in np.ndindex(*outs[cid].shape[: c.depth]):
+      where = index[: stacks[cid]]
+      name = f"{c.name}[{','.join(map(str, where))}]" if where else c.name
+      slots.append(_Slot(name, cid, index))
+      prev = specs.get(name)
+      if prev is None:
+        specs[name] = dataclasses.replace(c.spec, name=name, param_index=where, rows=c.rows)
+      else:
+        specs[name] = dataclasses.replace(
+          prev, methods=(*prev.methods, c.method), rows=prev.rows + c.rows
+        )
+  if isinstance(params, nnx.State):
+    _list_uncaptured_nnx(leaves, specs.values(), skipped, session.nnx_lifted)
+  traced_calls = _Traced(calls, session.calls, ends, tuple(slots), outs)
+  return Layers(tuple(specs.values()), tuple(skipped.values())), traced_calls
+
+
+def _list_uncaptured_nnx(
+  leaves: dict[tuple, Any], specs: Any, skipped: dict[str, Skipped], lifted: set[str]
+) -> None:
+  """Lists the NNX modules whose parameters no captured layer holds.
+
+  NNX has no method interceptors, so only the layer kinds' own calls are seen;
+  every other module is found here from the params instead. ``lifted`` names
+  the layer types seen inside NNX transformations, which are not followed.
+  """
+  reason = "not a layer kind kaisa_jax captures"
+  if lifted:
+    reason += (
+      f", or a {' or '.join(sorted(lifted))} applied inside nnx.scan, nnx.vmap or nnx.remat,"
+      " which kaisa_jax does not follow yet"
+    )
+  reason += "; gradients pass through"
+  held = {s.param_path for s in specs}
+  for path in leaves:
+    last = max(i for i, k in enumerate(path) if isinstance(k, jax.tree_util.DictKey))
+    prefix = path[:last]
+    name = "/".join(_key_name(k) for k in prefix)
+    if prefix not in held and name not in skipped:
+      skipped[name] = Skipped(name, "nnx.Module", reason)
 
 
 class ValueAndGrad:
@@ -379,47 +684,42 @@ class ValueAndGrad:
     return _trace(self._fun, params, args, kwargs, self._selection)[0]
 
   def __call__(self, params: Any, *args: Any, **kwargs: Any):
-    registry, calls = _trace(self._fun, params, args, kwargs, self._selection)
-    captured = {s.name for s in registry.specs}
-    methods = {s.name: s.methods for s in registry.specs}
-    # Zero perturbations of the layer outputs. Under shard_map they must vary over
-    # the same axes as the outputs: the gradient of an unvarying input would be
-    # summed over the devices.
-    perturbations: dict[str, list[Array]] = {}
-    for c in calls:
-      if c.name in captured:
-        zero = jnp.zeros(c.out.shape, c.out.dtype)
-        if c.varying:
-          zero = jax.lax.pcast(zero, c.varying, to="varying")
-        perturbations.setdefault(c.name, []).append(zero)
+    registry, traced = _trace(self._fun, params, args, kwargs, self._selection)
+    # Zero perturbations of the layer outputs (with the axes of the scans and
+    # vmaps around them). Under shard_map they must vary over the same axes as
+    # the outputs: the gradient of an unvarying input would be summed over the
+    # devices.
+    perturbations: dict[int, Array] = {}
+    for number in sorted({x.call for x in traced.slots}):
+      c = traced.calls[number]
+      zero = jnp.zeros(traced.outs[number].shape, c.out.dtype)
+      if c.varying:
+        zero = jax.lax.pcast(zero, c.varying, to="varying")
+      perturbations[number] = zero
+
+    def on_call(s: _Session, number, name, module, method, kind, call, call_args, call_kwargs):
+      expected = traced.calls.get(number)
+      if expected is None or (expected.name, expected.method) != (name, method):
+        raise RuntimeError(
+          f"kaisa_jax: layer {name!r} was called differently than when the loss was "
+          "traced; the loss must call its layers the same way every time."
+        )
+      frame = s.frames[-1]
+      if number not in frame.feed:
+        return call()
+      frame.record[number] = _recorded_input(module, call_args, call_kwargs)
+      return call() + frame.feed[number]
 
     def loss_with_perturbations(params, perturbations):
-      inputs: dict[str, list[Array]] = {name: [] for name in perturbations}
-      flat = jax.tree_util.tree_flatten_with_path(params)[0]
-      leaf_paths = {id(leaf): path for path, leaf in flat}
-
-      def interceptor(next_fun, call_args, call_kwargs, context):
-        name = _module_name(context.module, leaf_paths)
-        if _bypass or name not in inputs or context.method_name not in methods[name]:
-          return next_fun(*call_args, **call_kwargs)
-        k = len(inputs[name])
-        if k >= len(perturbations[name]) or methods[name][k] != context.method_name:
-          raise RuntimeError(
-            f"kaisa_jax: layer {name!r} was called differently than when the loss was "
-            "traced; the loss must call its layers the same way every time."
-          )
-        inputs[name].append(_recorded_input(context.module, call_args, call_kwargs))
-        return next_fun(*call_args, **call_kwargs) + perturbations[name][k]
-
-      with _intercept(interceptor):
+      s = _Session(params, self._selection, on_call, perturbations, dict(traced.ends))
+      with _capturing(s):
         result = self._fun(params, *args, **kwargs)
-      for name, seen in inputs.items():
-        if len(seen) != len(perturbations[name]):
-          raise RuntimeError(
-            f"kaisa_jax: layer {name!r} was called {len(seen)} times, but "
-            f"{len(perturbations[name])} times when the loss was traced; the loss must call "
-            "its layers the same way every time."
-          )
+      inputs = s.frames[0].record
+      if s.calls != traced.count or inputs.keys() != perturbations.keys():
+        raise RuntimeError(
+          f"kaisa_jax: the loss made {s.calls} layer calls, but {traced.count} when it was "
+          "traced; the loss must call its layers the same way every time."
+        )
       loss, aux = result if self._has_aux else (result, None)
       return loss, (aux, inputs)
 
@@ -427,14 +727,19 @@ class ValueAndGrad:
       loss_with_perturbations, argnums=(0, 1), has_aux=True
     )(params, perturbations)
 
+    by_layer: dict[str, tuple[list[Array], list[Array]]] = {}
+    for x in traced.slots:
+      a, g = by_layer.setdefault(x.layer, ([], []))
+      a.append(inputs[x.call][x.index])
+      g.append(out_grads[x.call][x.index])
     curvature: dict[str, LayerCurvature] = {}
     for spec in registry.specs:
-      a, g = tuple(inputs[spec.name]), tuple(out_grads[spec.name])
+      a, g = by_layer[spec.name]
       n = tuple(
         jnp.asarray(self._n_examples or layers_lib.default_examples(spec, m, x), jnp.float32)
         for m, x in zip(spec.methods, a, strict=True)
       )
-      curvature[spec.name] = LayerCurvature(a, g, n)
+      curvature[spec.name] = LayerCurvature(tuple(a), tuple(g), n)
     value = (loss, aux) if self._has_aux else loss
     return value, grads, curvature
 
@@ -456,7 +761,9 @@ def value_and_grad(
   model from them (``nnx.merge(graphdef, params)``). Every ``nn.Dense``,
   ``nn.DenseGeneral`` (attention projections included), ``nn.Conv`` and
   ``nn.Embed`` (lookups and ``attend``) called inside it is captured, wherever
-  it is nested, as are their NNX twins (``nnx.Linear``, ``nnx.LinearGeneral``,
+  it is nested (inside ``nn.scan``, ``nn.remat`` and ``nn.vmap`` too: a
+  scanned stack of layers gives one layer per slice, named ``"stack/Dense_0[i]"``),
+  as are their NNX twins (``nnx.Linear``, ``nnx.LinearGeneral``,
   ``nnx.Conv``, ``nnx.Embed``) and every layer type given to
   `kaisa_jax.register_layer`.
   The result is a callable returning ``(value, grads, curvature)``, where

@@ -92,6 +92,9 @@ class LayerSpec:
       the dict that holds the layer's weight (and bias).
     param_suffix: what follows the parameter's name in its key path (the
       ``.value`` of a Flax NNX variable; empty for linen).
+    param_index: the layer's index into parameters stacked by ``nn.scan`` or
+      ``nn.vmap`` (``variable_axes={"params": 0}``): the layer's weight is
+      ``leaf[param_index]``. Empty for a layer with parameters of its own.
     kind: the name of its `LayerKind` (``"dense"``, ``"conv"``, ...).
     kernel_shape: the shape of the layer's weight.
     has_bias: whether the layer has a bias.
@@ -113,6 +116,7 @@ class LayerSpec:
   has_bias: bool
   in_ndim: int = 1
   param_suffix: KeyPath = ()
+  param_index: tuple[int, ...] = ()
   groups: int = 1
   conv: ConvConfig | None = None
   contract: tuple[int, ...] = (-1,)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -145,6 +146,8 @@ def _layer_params(tree: Any, plan: Plan, what: str) -> dict[str, dict[str, Array
     for key in (kind.weight, kind.bias) if spec.has_bias else (kind.weight,):
       path = (*spec.param_path, jax.tree_util.DictKey(key), *spec.param_suffix)
       leaf = leaves.get(path)
+      if leaf is not None and spec.param_index:
+        leaf = leaf[spec.param_index]
       if leaf is None:
         raise ValueError(
           f"the {what} have no {key} for layer {spec.name!r} at "
@@ -160,6 +163,17 @@ def _layer_params(tree: Any, plan: Plan, what: str) -> dict[str, dict[str, Array
       entry[key] = leaf
     out[spec.name] = entry
   return out
+
+
+def _replace(leaf: Array, parts: Sequence[tuple[tuple[int, ...], Array]]) -> Array:
+  """``leaf`` with each ``(index, value)`` of ``parts`` written at ``leaf[index]``.
+
+  A layer with parameters of its own has one part, at index ``()``; parameters
+  stacked by ``nn.scan`` have one part per layer of the stack.
+  """
+  for index, value in parts:
+    leaf = value if index == () else leaf.at[index].set(value)
+  return leaf
 
 
 def _check_curvature(curvature: Any, plan: Plan) -> None:
@@ -601,14 +615,15 @@ def kfac(
         vg_sum, hp.at(kl_clip, step, dec_dtype), hp.at(lr, step, dec_dtype)
       )
 
-    replacements = {}
+    replacements: dict[Any, list[tuple[tuple[int, ...], Array]]] = {}
     for spec, _ in plan.layers:
       new = layers_lib.from_matrix(spec, nu * preconditioned[spec.name])
       for key, value in new.items():
         path = (*spec.param_path, jax.tree_util.DictKey(key), *spec.param_suffix)
-        replacements[path] = value.astype(grads[spec.name][key].dtype)
+        value = value.astype(grads[spec.name][key].dtype)
+        replacements.setdefault(path, []).append((spec.param_index, value))
     new_updates = jax.tree_util.tree_map_with_path(
-      lambda path, leaf: replacements.get(path, leaf), updates
+      lambda path, leaf: _replace(leaf, replacements.get(path, ())), updates
     )
     return new_updates, state._replace(count=step + 1)
 

@@ -43,7 +43,26 @@ class CNN(nn.Module):
     return nn.Dense(5)(x)
 
 
-MODELS = {"mlp": MLP(), "cnn": CNN()}
+class _Block(nn.Module):
+  @nn.compact
+  def __call__(self, x, _):
+    return nn.tanh(nn.Dense(16)(x)), None
+
+
+class ScannedMLP(nn.Module):
+  """A stack of 3 dense blocks under nn.scan of nn.remat: one set of factors per block."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.tanh(nn.Dense(16)(x.reshape(x.shape[0], -1)))
+    stack = nn.scan(
+      nn.remat(_Block), variable_axes={"params": 0}, split_rngs={"params": True}, length=3
+    )
+    x, _ = stack()(x, None)
+    return nn.Dense(5)(x)
+
+
+MODELS = {"mlp": MLP(), "cnn": CNN(), "scanned": ScannedMLP()}
 
 
 def batches(steps: int) -> tuple[np.ndarray, np.ndarray]:

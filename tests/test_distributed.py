@@ -49,6 +49,21 @@ def test_same_preconditioned_gradient_and_training_as_one_device(mode, model_nam
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("mode, n, fraction", [("shard_map", 8, "1/4"), ("pmap", 4, "1/2")])
+def test_scanned_layers_distribute_like_one_device(mode, n, fraction):
+  kfac = build("scanned", mode, n, fraction, 1, chained=False)[3]
+  stack = [f"ScanCheckpoint_Block_0/Dense_0[{i}]" for i in range(3)]
+  assert [s.name for s, _ in kfac.plan.layers] == ["Dense_0", *stack, "Dense_1"]
+  ref_update, _ = trained("scanned", "single", 1, "1", chained=False)
+  update, _ = trained("scanned", mode, n, fraction, chained=False)
+  assert relative_error(update, ref_update) <= 1e-5
+  _, ref_params = trained("scanned", "single", 1, "1", chained=True)
+  _, params = trained("scanned", mode, n, fraction, chained=True)
+  assert relative_error(params, ref_params) <= 1e-4
+  initial = jax.tree.map(np.asarray, initial_params("scanned"))
+  assert relative_error(params, initial) > 1e-2
+
+
 def _equal_layers_params():
   """16 equal dense layers: a model whose factors can be split evenly over 8 devices."""
   import flax.linen as nn
