@@ -1,4 +1,4 @@
-"""Command line: ``python -m experiments [compare|run|sweep|table] ...``.
+"""Command line: ``python -m experiments [compare|run|sweep|table|summary] ...``.
 
 ``compare`` (the default) trains several optimizers on one task for every seed,
 writes one JSON-lines file per run, a figure (``compare.png``) and a Markdown
@@ -8,7 +8,9 @@ metric (mean +- std over seeds). ``run`` trains one optimizer (the first given).
 chosen settings to ``best.json``; ``compare`` and ``run`` use them when present
 (``--settings``), the defaults otherwise. ``table`` rebuilds the figure and
 ``table.md`` from the results files of an earlier ``compare`` (no training).
-Everything goes to ``OUT/TASK/``.
+Everything goes to ``OUT/TASK/``. ``summary`` gathers the ``compare`` results of
+several tasks (``--tasks``) into ``OUT/summary.md`` and, with ``--readme``,
+into that file between its experiments-table markers.
 """
 
 from __future__ import annotations
@@ -20,11 +22,14 @@ from typing import Any
 
 from experiments import optimizers, tasks
 from experiments.plots import plot_runs
-from experiments.report import markdown_table
+from experiments.report import markdown_table, summary_table
 from experiments.sweep import sweep
 from experiments.train import train
 
 DEFAULT_OPTIMIZERS = ["sgd", "adamw", "kfac"]
+SUMMARY_TASKS = ("mnist1d", "resnet", "autoencoder", "charlm")
+BEGIN = "<!-- experiments table: written by python -m experiments summary -->"
+END = "<!-- end of experiments table -->"
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -33,15 +38,21 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     prog="python -m experiments", description=__doc__.splitlines()[0]
   )
   parser.add_argument(
-    "mode", nargs="?", default="compare", choices=["compare", "run", "sweep", "table"]
+    "mode",
+    nargs="?",
+    default="compare",
+    choices=["compare", "run", "sweep", "table", "summary"],
   )
   parser.add_argument("--task", default="mnist1d", choices=sorted(tasks.TASKS))
   parser.add_argument(
     "--optimizers",
     nargs="+",
-    default=DEFAULT_OPTIMIZERS,
+    default=None,
     choices=sorted(optimizers.DEFAULTS),
-    help="optimizers to compare or sweep; the first one only in run mode",
+    help=(
+      f"optimizers to compare or sweep (default: {' '.join(DEFAULT_OPTIMIZERS)}); the first "
+      "one only in run mode; in summary mode, default: every one with results for the seeds"
+    ),
   )
   parser.add_argument(
     "--steps",
@@ -52,13 +63,28 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument(
     "--seeds", type=int, nargs="+", default=[0], help="seeds (sweep mode: the first)"
   )
-  parser.add_argument("--eval-every", type=int, default=50)
+  parser.add_argument(
+    "--eval-every", type=int, default=10, help="steps between evaluations (not timed)"
+  )
   parser.add_argument("--out", type=Path, default=Path("results"))
   parser.add_argument(
     "--settings",
     type=Path,
     default=None,
     help="a sweep's best.json (default: OUT/TASK/best.json when it exists)",
+  )
+  parser.add_argument(
+    "--tasks",
+    nargs="+",
+    default=list(SUMMARY_TASKS),
+    choices=sorted(tasks.TASKS),
+    help="summary mode: the tasks to gather",
+  )
+  parser.add_argument(
+    "--readme",
+    type=Path,
+    default=None,
+    help="summary mode: a file whose experiments table (between its markers) is replaced",
   )
   parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
   return parser.parse_args(argv)
@@ -67,6 +93,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
   """Runs the mode the arguments name."""
   args = parse(argv)
+  if args.mode != "summary" and args.optimizers is None:
+    args.optimizers = DEFAULT_OPTIMIZERS
+  if args.mode == "summary":
+    summarise(args)
+    return
   task = tasks.TASKS[args.task]()
   out = args.out / task.name
   out.mkdir(parents=True, exist_ok=True)
@@ -82,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
 
   names = args.optimizers if args.mode in ("compare", "table") else args.optimizers[:1]
   if args.mode == "table":
-    runs = {n: [read_records(out / f"{n}-seed{s}.jsonl") for s in args.seeds] for n in names}
+    runs = read_runs(out, names, args.seeds)
   else:
     runs = train_all(task, names, args, out)
   write_outputs(task, runs, out, args.mode)
@@ -90,7 +121,14 @@ def main(argv: list[str] | None = None) -> None:
 
 def read_records(path: Path) -> list[dict[str, Any]]:
   """The records of a JSON-lines results file."""
+  if not path.exists():
+    raise SystemExit(f"no results file {path}: run `compare` with these seeds first")
   return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def read_runs(out: Path, names: list[str], seeds: list[int]) -> dict[str, list[list[Any]]]:
+  """Every optimizer's records, one list per seed, from ``out``."""
+  return {n: [read_records(out / f"{n}-seed{s}.jsonl") for s in seeds] for n in names}
 
 
 def train_all(
@@ -141,6 +179,28 @@ def write_outputs(
     (out / "table.md").write_text(table)
     written += f", table: {out}/table.md"
   print(written)
+
+
+def summarise(args: argparse.Namespace) -> None:
+  """Gathers the results of several tasks into one table (and into the README)."""
+  results = []
+  for name in args.tasks:
+    out = args.out / name
+    names = args.optimizers or [n for n in optimizers.DEFAULTS if any(out.glob(f"{n}-seed*.jsonl"))]
+    if not names:
+      raise SystemExit(f"no results in {out}: run `python -m experiments compare --task {name}`")
+    results.append((tasks.TASKS[name](), read_runs(out, names, args.seeds)))
+  table = summary_table(results)
+  print(table)
+  (args.out / "summary.md").write_text(table + "\n")
+  if args.readme is not None:
+    text = args.readme.read_text()
+    if BEGIN not in text or END not in text:
+      raise SystemExit(f"{args.readme} has no experiments-table markers {BEGIN!r} ... {END!r}")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    args.readme.write_text(f"{head}{BEGIN}\n{table}\n{END}{tail}")
+    print(f"table written to {args.readme}")
 
 
 if __name__ == "__main__":

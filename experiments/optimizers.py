@@ -7,6 +7,7 @@ Every optimizer's learning rate decays to 0 on a cosine over the run.
 * ``adamw``: AdamW, decoupled weight decay 1e-4.
 * ``kfac``: `kaisa_jax.kfac` (factors every 10 steps, decompositions every 100,
   KL clip 1e-3) chained with SGD momentum 0.9.
+* ``kfac_adamw``: the same K-FAC chained with AdamW (weight decay 1e-4).
 
 `DEFAULTS` are used when no sweep has been run for a task; `GRID` is what
 ``python -m experiments sweep`` tries (the same number of trials for each).
@@ -31,7 +32,7 @@ class Optimizer:
   """An optimizer configuration.
 
   Attributes:
-    name: ``"sgd"``, ``"adam"``, ``"adamw"`` or ``"kfac"``.
+    name: ``"sgd"``, ``"adam"``, ``"adamw"``, ``"kfac"`` or ``"kfac_adamw"``.
     lr: peak learning rate; it decays to 0 on a cosine over the run.
     kfac: keyword arguments of `kaisa_jax.kfac` (K-FAC only), e.g. ``damping``.
   """
@@ -42,7 +43,7 @@ class Optimizer:
 
   def config(self) -> dict[str, Any]:
     """The settings as a flat dict (recorded with every result)."""
-    extra = {"weight_decay": WEIGHT_DECAY} if self.name == "adamw" else {}
+    extra = {"weight_decay": WEIGHT_DECAY} if self.name.endswith("adamw") else {}
     return {"optimizer": self.name, "lr": self.lr, **extra, **self.kfac}
 
   def settings(self) -> dict[str, Any]:
@@ -62,15 +63,17 @@ DEFAULTS: dict[str, Optimizer] = {
   "adam": Optimizer("adam", 3e-3),
   "adamw": Optimizer("adamw", 3e-3),
   "kfac": Optimizer("kfac", 0.1, {"damping": 1e-2}),
+  "kfac_adamw": Optimizer("kfac_adamw", 3e-3, {"damping": 1e-2}),
 }
 
 # The sweep: four trials per optimizer. Learning rate for the first-order ones,
-# learning rate x damping (2 x 2) for K-FAC.
+# learning rate x damping (2 x 2) for each K-FAC.
 GRID: dict[str, list[dict[str, Any]]] = {
   "sgd": [{"lr": lr} for lr in (0.01, 0.03, 0.1, 0.3)],
   "adam": [{"lr": lr} for lr in (3e-4, 1e-3, 3e-3, 1e-2)],
   "adamw": [{"lr": lr} for lr in (3e-4, 1e-3, 3e-3, 1e-2)],
   "kfac": [{"lr": lr, "damping": d} for lr in (0.03, 0.1) for d in (1e-2, 1e-1)],
+  "kfac_adamw": [{"lr": lr, "damping": d} for lr in (1e-3, 3e-3) for d in (1e-2, 1e-1)],
 }
 
 
@@ -99,7 +102,9 @@ def build(
     return optax.adam(schedule)
   if opt.name == "adamw":
     return optax.adamw(schedule, weight_decay=WEIGHT_DECAY)
-  if opt.name == "kfac":
+  if opt.name in ("kfac", "kfac_adamw"):
     kfac = kaisa_jax.kfac(layers, lr=schedule, **opt.kfac)
-    return optax.chain(kfac, optax.sgd(schedule, momentum=0.9))
+    if opt.name == "kfac":
+      return optax.chain(kfac, optax.sgd(schedule, momentum=0.9))
+    return optax.chain(kfac, optax.adamw(schedule, weight_decay=WEIGHT_DECAY))
   raise ValueError(f"unknown optimizer {opt.name!r}; choose from {sorted(DEFAULTS)}")

@@ -47,19 +47,35 @@ def optimizer_row(task: Task, seeds: Sequence[Sequence[Record]]) -> dict[str, An
   }
 
 
+def fastest(rows: dict[str, dict[str, Any]], kfac: bool) -> str | None:
+  """The K-FAC variant (``kfac``, ``kfac_adamw``) or baseline fastest to target, if any."""
+  reached = [k for k, r in rows.items() if k.startswith("kfac") == kfac and r["seconds"]]
+  return min(reached, key=lambda k: rows[k]["seconds"]) if reached else None
+
+
+def ratios(rows: dict[str, dict[str, Any]]) -> tuple[str, str, float, float] | None:
+  """``(K-FAC variant, best baseline, time ratio, step ratio)`` to target; None if undefined.
+
+  Both sides are the fastest to the target in wall-clock: the best K-FAC
+  variant against the best baseline.
+  """
+  kfac, best = fastest(rows, kfac=True), fastest(rows, kfac=False)
+  if kfac is None or best is None:
+    return None
+  time_ratio = rows[kfac]["seconds"] / rows[best]["seconds"]
+  return kfac, best, time_ratio, rows[kfac]["steps"] / rows[best]["steps"]
+
+
 def kfac_ratio(rows: dict[str, dict[str, Any]]) -> str:
   """K-FAC's steps and time to target relative to the fastest (by time) baseline."""
-  if "kfac" not in rows or rows["kfac"]["seconds"] is None:
+  if fastest(rows, kfac=True) is None:
     return "K-FAC did not reach the target on every seed: no ratio."
-  baselines = {k: r for k, r in rows.items() if k != "kfac" and r["seconds"] is not None}
-  if not baselines:
+  if ratios(rows) is None:
     return "No baseline reached the target on every seed: no ratio."
-  best = min(baselines, key=lambda k: baselines[k]["seconds"])
-  time_ratio = rows["kfac"]["seconds"] / baselines[best]["seconds"]
-  step_ratio = rows["kfac"]["steps"] / baselines[best]["steps"]
+  kfac, best, time_ratio, step_ratio = ratios(rows)
   change = f"{abs(1 - time_ratio) * 100:.0f}% {'less' if time_ratio <= 1 else 'more'} time"
   return (
-    f"K-FAC time to target / best baseline ({best}): {time_ratio:.2f}x "
+    f"K-FAC ({kfac}) time to target / best baseline ({best}): {time_ratio:.2f}x "
     f"({change}); steps: {step_ratio:.2f}x."
   )
 
@@ -110,3 +126,66 @@ def sweep_table(task: Task, trials: dict[str, list[Record]], steps: int) -> str:
       settings = ", ".join(f"{k} {v:g}" for k, v in t["settings"].items())
       lines.append(f"| {name} | {mark}{settings}{mark} | {metric} | {t['wall_seconds']:.1f} |")
   return "\n".join([*lines, ""])
+
+
+NAMES = {
+  "sgd": "SGD",
+  "adam": "Adam",
+  "adamw": "AdamW",
+  "kfac": "K-FAC",
+  "kfac_adamw": "K-FAC + AdamW",
+}
+FASTER = 0.7  # "at least 30 % less wall-clock than the best baseline"
+TARGET_TASKS = ("mnist1d", "autoencoder", "resnet")  # the target counts these
+
+
+def summary_table(results: Sequence[tuple[Task, dict[str, list[list[Record]]]]]) -> str:
+  """Every task's comparison in one Markdown table, then K-FAC's ratios and the verdict.
+
+  ``results`` holds, per task, its runs by optimizer (one record list per seed).
+  """
+  lines = [
+    "| task (target) | optimizer | settings | steps to target | seconds to target | final metric |",
+    "|---|---|---|---|---|---|",
+  ]
+  notes, faster = [], {}
+  for task, runs in results:
+    rows = {name: optimizer_row(task, seeds) for name, seeds in runs.items()}
+    direction = ">=" if task.higher_is_better else "<="
+    label = f"{task.name} ({task.metric_name} {direction} {task.target:g})"
+    for i, (name, r) in enumerate(rows.items()):
+      if r["steps"] is None:
+        reached = f"not reached ({r['reached']}/{r['seeds']} seeds)"
+        steps_text = seconds_text = reached
+      else:
+        steps_text, seconds_text = f"{r['steps']:.0f}", f"{r['seconds']:.2f}"
+      lines.append(
+        f"| {label if i == 0 else ''} | {NAMES.get(name, name)} | {r['settings']} "
+        f"| {steps_text} | {seconds_text} | {mean_std(r['final'])} |"
+      )
+    found = ratios(rows)
+    if found is None:
+      notes.append(f"{task.name}: {kfac_ratio(rows).rstrip('.')}")
+      faster[task.name] = False
+    else:
+      kfac, best, time_ratio, step_ratio = found
+      notes.append(
+        f"{task.name}: {NAMES.get(kfac, kfac)} {time_ratio:.2f}x the time of "
+        f"{NAMES.get(best, best)} to the target, {step_ratio:.2f}x the steps"
+      )
+      faster[task.name] = time_ratio <= FASTER
+  seeds = len(next(iter(results[0][1].values())))
+  hits = sum(faster.get(name, False) for name in TARGET_TASKS)
+  verdict = "met" if hits >= 2 else "not met"
+  return "\n".join(
+    [
+      *lines,
+      "",
+      f"Means over {seeds} seeds. K-FAC's time to target relative to the best baseline: "
+      + "; ".join(notes)
+      + ".",
+      "",
+      f"Target (at least 30 % less wall-clock than the best baseline on 2 of "
+      f"{', '.join(TARGET_TASKS)}): {verdict}, {hits} of 3.",
+    ]
+  )
