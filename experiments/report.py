@@ -80,6 +80,14 @@ def kfac_ratio(rows: dict[str, dict[str, Any]]) -> str:
   )
 
 
+def target_cells(row: dict[str, Any]) -> tuple[str, str]:
+  """A row's steps and seconds to target as table cells, or "not reached (k/n seeds)"."""
+  if row["steps"] is None:
+    missing = f"not reached ({row['reached']}/{row['seeds']} seeds)"
+    return missing, missing
+  return f"{row['steps']:.0f}", f"{row['seconds']:.2f}"
+
+
 def markdown_table(task: Task, runs: dict[str, list[list[Record]]], source: str) -> str:
   """The comparison as Markdown: one row per optimizer, then K-FAC's ratio."""
   rows = {name: optimizer_row(task, seeds) for name, seeds in runs.items()}
@@ -98,11 +106,7 @@ def markdown_table(task: Task, runs: dict[str, list[list[Record]]], source: str)
     "|---|---|---|---|---|---|",
   ]
   for name, r in rows.items():
-    if r["steps"] is None:
-      missing = f"not reached ({r['reached']}/{r['seeds']} seeds)"
-      steps_text = seconds_text = missing
-    else:
-      steps_text, seconds_text = f"{r['steps']:.0f}", f"{r['seconds']:.2f}"
+    steps_text, seconds_text = target_cells(r)
     lines.append(
       f"| {name} | {r['settings']} | {steps_text} | {seconds_text} | {mean_std(r['final'])} "
       f"| {mean_std(r['final_seconds'], 1)} |"
@@ -154,11 +158,7 @@ def summary_table(results: Sequence[tuple[Task, dict[str, list[list[Record]]]]])
     direction = ">=" if task.higher_is_better else "<="
     label = f"{task.name} ({task.metric_name} {direction} {task.target:g})"
     for i, (name, r) in enumerate(rows.items()):
-      if r["steps"] is None:
-        reached = f"not reached ({r['reached']}/{r['seeds']} seeds)"
-        steps_text = seconds_text = reached
-      else:
-        steps_text, seconds_text = f"{r['steps']:.0f}", f"{r['seconds']:.2f}"
+      steps_text, seconds_text = target_cells(r)
       lines.append(
         f"| {label if i == 0 else ''} | {NAMES.get(name, name)} | {r['settings']} "
         f"| {steps_text} | {seconds_text} | {mean_std(r['final'])} |"
