@@ -93,11 +93,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
   """Runs the mode the arguments name."""
   args = parse(argv)
-  if args.mode != "summary" and args.optimizers is None:
-    args.optimizers = DEFAULT_OPTIMIZERS
   if args.mode == "summary":
     summarise(args)
     return
+  args.optimizers = args.optimizers or DEFAULT_OPTIMIZERS
   task = tasks.TASKS[args.task]()
   out = args.out / task.name
   out.mkdir(parents=True, exist_ok=True)

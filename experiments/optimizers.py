@@ -77,6 +77,11 @@ GRID: dict[str, list[dict[str, Any]]] = {
 }
 
 
+def is_kfac(name: str) -> bool:
+  """Whether the optimizer ``name`` preconditions with K-FAC (``kfac``, ``kfac_adamw``)."""
+  return name.startswith("kfac")
+
+
 def load_best(path: Path) -> dict[str, dict[str, Any]]:
   """The settings a sweep chose, by optimizer name (empty if ``path`` does not exist)."""
   if not path.exists():
@@ -96,15 +101,14 @@ def build(
 ) -> optax.GradientTransformationExtraArgs:
   """The Optax transformation; ``layers`` (from ``grad_fn.layers``) is needed for K-FAC."""
   schedule = optax.cosine_decay_schedule(opt.lr, steps)
-  if opt.name == "sgd":
-    return optax.sgd(schedule, momentum=0.9)
-  if opt.name == "adam":
-    return optax.adam(schedule)
-  if opt.name == "adamw":
-    return optax.adamw(schedule, weight_decay=WEIGHT_DECAY)
-  if opt.name in ("kfac", "kfac_adamw"):
-    kfac = kaisa_jax.kfac(layers, lr=schedule, **opt.kfac)
-    if opt.name == "kfac":
-      return optax.chain(kfac, optax.sgd(schedule, momentum=0.9))
-    return optax.chain(kfac, optax.adamw(schedule, weight_decay=WEIGHT_DECAY))
+  first_order = {
+    "sgd": lambda: optax.sgd(schedule, momentum=0.9),
+    "adam": lambda: optax.adam(schedule),
+    "adamw": lambda: optax.adamw(schedule, weight_decay=WEIGHT_DECAY),
+  }
+  if opt.name in first_order:
+    return first_order[opt.name]()
+  if opt.name in ("kfac", "kfac_adamw"):  # K-FAC, then SGD momentum or AdamW
+    then = first_order["sgd" if opt.name == "kfac" else "adamw"]()
+    return optax.chain(kaisa_jax.kfac(layers, lr=schedule, **opt.kfac), then)
   raise ValueError(f"unknown optimizer {opt.name!r}; choose from {sorted(DEFAULTS)}")

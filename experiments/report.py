@@ -6,6 +6,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from experiments.optimizers import is_kfac
 from experiments.tasks import Task
 
 Record = dict[str, Any]
@@ -49,7 +50,7 @@ def optimizer_row(task: Task, seeds: Sequence[Sequence[Record]]) -> dict[str, An
 
 def fastest(rows: dict[str, dict[str, Any]], kfac: bool) -> str | None:
   """The K-FAC variant (``kfac``, ``kfac_adamw``) or baseline fastest to target, if any."""
-  reached = [k for k, r in rows.items() if k.startswith("kfac") == kfac and r["seconds"]]
+  reached = [k for k, r in rows.items() if is_kfac(k) == kfac and r["seconds"]]
   return min(reached, key=lambda k: rows[k]["seconds"]) if reached else None
 
 
@@ -68,11 +69,12 @@ def ratios(rows: dict[str, dict[str, Any]]) -> tuple[str, str, float, float] | N
 
 def kfac_ratio(rows: dict[str, dict[str, Any]]) -> str:
   """K-FAC's steps and time to target relative to the fastest (by time) baseline."""
-  if fastest(rows, kfac=True) is None:
-    return "K-FAC did not reach the target on every seed: no ratio."
-  if ratios(rows) is None:
+  found = ratios(rows)
+  if found is None:
+    if fastest(rows, kfac=True) is None:
+      return "K-FAC did not reach the target on every seed: no ratio."
     return "No baseline reached the target on every seed: no ratio."
-  kfac, best, time_ratio, step_ratio = ratios(rows)
+  kfac, best, time_ratio, step_ratio = found
   change = f"{abs(1 - time_ratio) * 100:.0f}% {'less' if time_ratio <= 1 else 'more'} time"
   return (
     f"K-FAC ({kfac}) time to target / best baseline ({best}): {time_ratio:.2f}x "

@@ -17,7 +17,7 @@ import optax
 from tqdm.auto import tqdm
 
 import kaisa_jax
-from experiments.optimizers import Optimizer, build
+from experiments.optimizers import Optimizer, build, is_kfac
 from experiments.tasks import Task
 
 
@@ -62,7 +62,7 @@ def train(
   params, state = task.init(jax.random.key(seed), x[:1])
   grad_fn = kaisa_jax.value_and_grad(task.loss, has_aux=True, n_examples=task.n_examples())
   layers = None
-  if opt.name.startswith("kfac"):
+  if is_kfac(opt.name):
     layers = grad_fn.layers(params, state, x[: task.batch_size], y[: task.batch_size])
   tx = build(opt, steps, layers)
   opt_state = tx.init(params)
