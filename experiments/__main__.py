@@ -133,25 +133,23 @@ def read_runs(out: Path, names: list[str], seeds: list[int]) -> dict[str, list[l
 def train_all(
   task: tasks.Task, names: list[str], args: argparse.Namespace, out: Path
 ) -> dict[str, list[list[dict[str, Any]]]]:
-  """Trains every optimizer for every seed, with the sweep's settings when there are any."""
+  """Trains every optimizer for every seed, with the sweep's settings when there are any.
+
+  Seed by seed, every optimizer in turn: the machine's slow spells fall on all
+  optimizers alike rather than on whichever ran through them.
+  """
   steps = args.steps or task.steps
   best = optimizers.load_best(args.settings or out / "best.json")
-  runs = {}
-  for name in names:
-    opt, source = optimizers.choose(name, best)
-    runs[name] = [
-      train(
-        task,
-        opt,
-        steps,
-        seed,
-        args.eval_every,
-        out / f"{name}-seed{seed}.jsonl",
-        not args.no_progress,
-        extra_config={"settings_from": source},
+  chosen = {name: optimizers.choose(name, best) for name in names}
+  runs: dict[str, list[list[dict[str, Any]]]] = {name: [] for name in names}
+  for seed in args.seeds:
+    for name, (opt, source) in chosen.items():
+      path = out / f"{name}-seed{seed}.jsonl"
+      extra = {"settings_from": source}
+      records = train(
+        task, opt, steps, seed, args.eval_every, path, not args.no_progress, extra_config=extra
       )
-      for seed in args.seeds
-    ]
+      runs[name].append(records)
   return runs
 
 

@@ -276,31 +276,43 @@ class CharTransformer(nn.Module):
 # Data and tasks.
 
 CHARS = string.printable  # 100 characters; any other character is one extra id
-SOURCES = ("argparse.py", "textwrap.py", "shlex.py")
+# Plain modules of every Python from 3.10 on (about 0.5 MB of source).
+SOURCES = (
+  "argparse.py",
+  "configparser.py",
+  "dataclasses.py",
+  "difflib.py",
+  "functools.py",
+  "optparse.py",
+  "shlex.py",
+  "statistics.py",
+  "textwrap.py",
+  "traceback.py",
+)
+HELD_OUT_EVERY = 10  # every 10th block of windows is held out
+BLOCK = 16  # windows per block
 
 
 def text_data(
   length: int = 32,
 ) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
-  """Characters of a few standard-library modules' source, as next-character windows.
+  """Characters of some standard-library modules' source, as next-character windows.
 
-  The text is split 90/10 into training and held-out text, each cut into
-  non-overlapping windows: inputs ``(n, length)`` of ids and targets the same
-  windows shifted by one character.
+  The concatenated text is cut into non-overlapping windows: inputs
+  ``(n, length)`` of ids and targets the same windows shifted by one character.
+  Consecutive windows are grouped in blocks of `BLOCK` (512 characters for
+  ``length=32``) and every `HELD_OUT_EVERY`-th block is held out, so the
+  held-out text comes from every module and never overlaps the training text.
   """
   lib = pathlib.Path(string.__file__).parent
   text = "".join((lib / name).read_text() for name in SOURCES)
   table = {c: i for i, c in enumerate(CHARS)}
   ids = np.asarray([table.get(c, len(CHARS)) for c in text], np.int32)
-  split = int(0.9 * len(ids))
-
-  def windows(part: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    n = (len(part) - 1) // length
-    starts = np.arange(n) * length
-    take = starts[:, None] + np.arange(length + 1)
-    return part[take[:, :-1]], part[take[:, 1:]]
-
-  return windows(ids[:split]), windows(ids[split:])
+  n = (len(ids) - 1) // length
+  take = (np.arange(n) * length)[:, None] + np.arange(length + 1)
+  x, y = ids[take[:, :-1]], ids[take[:, 1:]]
+  held = (np.arange(n) // BLOCK) % HELD_OUT_EVERY == HELD_OUT_EVERY - 1
+  return (x[~held], y[~held]), (x[held], y[held])
 
 
 @functools.cache
@@ -423,7 +435,7 @@ def charlm(length: int = 32, width: int = 48) -> Task:
     cross_entropy,
     cross_entropy,
     "test loss (nats/char)",
-    target=1.5,  # about where the best baseline's sweep trial ended (AdamW, 1.46)
+    target=1.85,  # about where the best baseline's sweep trial ended (AdamW, 1.847)
     higher_is_better=False,
     batch_size=128,
     steps=600,

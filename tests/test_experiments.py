@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import functools
 import json
+import pathlib
+import string
 
+import numpy as np
 import pytest
 
 from experiments import __main__ as cli
@@ -100,6 +103,20 @@ def test_sweep_chooses_on_validation_and_compare_uses_it(small_tasks, monkeypatc
   assert (out / "sgd.png").exists()
 
 
+def test_compare_takes_the_optimizers_in_turns_seed_by_seed(monkeypatch, tmp_path):
+  calls = []
+
+  def fake_train(task, opt, steps, seed, *args, **kwargs):
+    calls.append((opt.name, seed))
+    return [{"step": steps, "seed": seed}]
+
+  monkeypatch.setattr(cli, "train", fake_train)
+  args = cli.parse(["compare", "--seeds", "0", "1", "--steps", "5", "--out", str(tmp_path)])
+  runs = cli.train_all(small("mnist1d"), ["sgd", "kfac"], args, tmp_path)
+  assert calls == [("sgd", 0), ("kfac", 0), ("sgd", 1), ("kfac", 1)]
+  assert [[r[0]["seed"] for r in runs[n]] for n in ("sgd", "kfac")] == [[0, 1], [0, 1]]
+
+
 def test_validation_split_is_carved_from_training_set():
   t = small("autoencoder")
   v = tasks.with_validation(t, 0.25)
@@ -107,6 +124,25 @@ def test_validation_split_is_carved_from_training_set():
   train_rows = {r.tobytes() for r in t.train[0]}
   assert all(r.tobytes() in train_rows for r in v.test[0])
   assert v.metric_name.startswith("validation")
+
+
+def test_text_held_out_from_every_module_and_disjoint_from_training():
+  (x, _), (x_test, y_test) = tasks.text_data(32)
+  lib = pathlib.Path(string.__file__).parent
+  sources = [(lib / name).read_text() for name in tasks.SOURCES]
+  assert len(x) + len(x_test) == (sum(map(len, sources)) - 1) // 32
+  assert 0.09 < len(x_test) / (len(x) + len(x_test)) < 0.11
+  np.testing.assert_array_equal(x_test[:, 1:], y_test[:, :-1])  # targets: next characters
+
+  def text(ids):
+    return "".join(tasks.CHARS[i] for i in ids if i < len(tasks.CHARS))
+
+  held = [text(w) for w in x_test]
+  for source in sources:  # each module holds some held-out windows
+    assert sum(w in source for w in held) > 10
+  train_windows = {w.tobytes() for w in x}
+  unique = [w for w in x_test if w.tobytes() not in train_windows]
+  assert len(unique) > 0.95 * len(x_test)  # repeats: only boilerplate lines
 
 
 def run(metrics, seconds, seed):

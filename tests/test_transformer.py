@@ -58,5 +58,5 @@ def test_character_transformer_trains_below_unigram_baseline():
   unigram = -np.mean(np.log(frequencies[y_valid]))
   valid_loss = float(jax.jit(loss_fn)(params, x_valid, y_valid))
   print(f"unigram {unigram:.3f} nats, validation {valid_loss:.3f} after {STEPS} steps")
-  # Measured: 2.06 nats on the 415 held-out windows against the unigram model's 2.84.
+  # Measured: 2.33 nats on the 1600 held-out windows against the unigram model's 3.10.
   assert valid_loss < 0.8 * unigram, (valid_loss, unigram)
