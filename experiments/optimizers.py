@@ -77,9 +77,13 @@ GRID: dict[str, list[dict[str, Any]]] = {
 }
 
 
+# Each K-FAC optimizer and the first-order optimizer it is chained with.
+KFAC_THEN = {"kfac": "sgd", "kfac_adamw": "adamw"}
+
+
 def is_kfac(name: str) -> bool:
   """Whether the optimizer ``name`` preconditions with K-FAC (``kfac``, ``kfac_adamw``)."""
-  return name.startswith("kfac")
+  return name in KFAC_THEN
 
 
 def load_best(path: Path) -> dict[str, dict[str, Any]]:
@@ -108,7 +112,7 @@ def build(
   }
   if opt.name in first_order:
     return first_order[opt.name]()
-  if opt.name in ("kfac", "kfac_adamw"):  # K-FAC, then SGD momentum or AdamW
-    then = first_order["sgd" if opt.name == "kfac" else "adamw"]()
+  if is_kfac(opt.name):
+    then = first_order[KFAC_THEN[opt.name]]()
     return optax.chain(kaisa_jax.kfac(layers, lr=schedule, **opt.kfac), then)
   raise ValueError(f"unknown optimizer {opt.name!r}; choose from {sorted(DEFAULTS)}")

@@ -64,7 +64,7 @@ def test_compare_writes_records_figure_table_reproducibly(task, small_tasks, tmp
       assert r["config"]["optimizer"] == name and r["config"]["settings_from"] == "default"
       assert {"jax", "flax", "optax", "kaisa_jax", "python"} <= set(r["versions"])
     assert records[-1]["wall_seconds"] > 0
-    if name.startswith("kfac"):
+    if optimizers.is_kfac(name):
       assert records[-1]["skipped_factor_updates"] == 0
       assert records[-1]["failed_decompositions"] == 0
   assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
