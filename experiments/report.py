@@ -50,7 +50,7 @@ def optimizer_row(task: Task, seeds: Sequence[Sequence[Record]]) -> dict[str, An
 
 def fastest(rows: dict[str, dict[str, Any]], kfac: bool) -> str | None:
   """The K-FAC variant (``kfac``, ``kfac_adamw``) or baseline fastest to target, if any."""
-  reached = [k for k, r in rows.items() if is_kfac(k) == kfac and r["seconds"]]
+  reached = [k for k, r in rows.items() if is_kfac(k) == kfac and r["seconds"] is not None]
   return min(reached, key=lambda k: rows[k]["seconds"]) if reached else None
 
 
@@ -58,10 +58,11 @@ def ratios(rows: dict[str, dict[str, Any]]) -> tuple[str, str, float, float] | N
   """``(K-FAC variant, best baseline, time ratio, step ratio)`` to target; None if undefined.
 
   Both sides are the fastest to the target in wall-clock: the best K-FAC
-  variant against the best baseline.
+  variant against the best baseline. Undefined when either side misses the
+  target on a seed or the baseline meets it before training (at step 0).
   """
   kfac, best = fastest(rows, kfac=True), fastest(rows, kfac=False)
-  if kfac is None or best is None:
+  if kfac is None or best is None or rows[best]["steps"] == 0:
     return None
   time_ratio = rows[kfac]["seconds"] / rows[best]["seconds"]
   return kfac, best, time_ratio, rows[kfac]["steps"] / rows[best]["steps"]
@@ -73,7 +74,9 @@ def kfac_ratio(rows: dict[str, dict[str, Any]]) -> str:
   if found is None:
     if fastest(rows, kfac=True) is None:
       return "K-FAC did not reach the target on every seed: no ratio."
-    return "No baseline reached the target on every seed: no ratio."
+    if fastest(rows, kfac=False) is None:
+      return "No baseline reached the target on every seed: no ratio."
+    return "A baseline met the target before training: no ratio."
   kfac, best, time_ratio, step_ratio = found
   change = f"{abs(1 - time_ratio) * 100:.0f}% {'less' if time_ratio <= 1 else 'more'} time"
   return (

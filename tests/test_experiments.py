@@ -173,6 +173,23 @@ def test_table_reports_misses_and_kfac_ratio():
   assert "K-FAC (kfac_adamw) time to target / best baseline (sgd): 1.33x" in table
 
 
+def test_target_met_at_the_first_evaluation_counts_as_reached():
+  task = small("autoencoder")  # lower is better, target 0.01
+  # A run whose first evaluation already meets the target took 0.0 training seconds.
+  runs = {
+    "sgd": [run([0.3, 0.02, 0.009], [0, 1, 2], s) for s in (0, 1)],
+    "kfac": [run([0.005, 0.004], [0, 3], s) for s in (0, 1)],
+  }
+  table = report.markdown_table(task, runs, "defaults")
+  assert "| kfac | lr 0.1 | 0 | 0.00 |" in table
+  assert "K-FAC (kfac) time to target / best baseline (sgd): 0.00x" in table
+  # The ratio is undefined when the baseline meets the target before training.
+  runs["sgd"] = [run([0.009, 0.008], [0, 1], s) for s in (0, 1)]
+  table = report.markdown_table(task, runs, "defaults")
+  assert "| sgd | lr 0.1 | 0 | 0.00 |" in table
+  assert "A baseline met the target before training: no ratio." in table
+
+
 def test_summary_gathers_tasks_into_the_readme(small_tasks, tmp_path):
   # autoencoder (lower is better, target 0.01): K-FAC half the steps and time of sgd, the best baseline.
   # mnist1d (higher is better, target 0.94): K-FAC 1.5x the time of adamw.
