@@ -6,7 +6,7 @@ import importlib.metadata
 import json
 import platform
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,40 @@ def batches(n: int, batch_size: int, seed: int) -> Iterator[np.ndarray]:
 TRAIN_LOSS_EXAMPLES = 4096
 
 
+def make_step(
+  task: Task, opt: Optimizer, steps: int, params: Any, state: Any
+) -> tuple[optax.GradientTransformationExtraArgs, Callable[..., Any]]:
+  """The optimizer's Optax transformation and the jitted training step.
+
+  ``step(params, state, opt_state, x, y) -> (params, state, opt_state, loss)``
+  on one batch. For K-FAC the layers are traced on the first batch of the
+  training set and the step passes the captured curvature to ``update``.
+  """
+  if not is_kfac(opt.name):
+    tx = build(opt, steps, None)
+
+    def gradients(params, state, xb, yb):
+      (loss, state), grads = jax.value_and_grad(task.loss, has_aux=True)(params, state, xb, yb)
+      return loss, state, grads, {}
+
+  else:
+    grad_fn = kaisa_jax.value_and_grad(task.loss, has_aux=True, n_examples=task.n_examples())
+    first = tuple(jnp.asarray(a[: task.batch_size]) for a in task.train)
+    tx = build(opt, steps, grad_fn.layers(params, state, *first))
+
+    def gradients(params, state, xb, yb):
+      (loss, state), grads, curvature = grad_fn(params, state, xb, yb)
+      return loss, state, grads, {"curvature": curvature}
+
+  @jax.jit
+  def step(params, state, opt_state, xb, yb):
+    loss, state, grads, extra = gradients(params, state, xb, yb)
+    updates, opt_state = tx.update(grads, opt_state, params, **extra)
+    return optax.apply_updates(params, updates), state, opt_state, loss
+
+  return tx, step
+
+
 def train(
   task: Task,
   opt: Optimizer,
@@ -66,22 +100,8 @@ def train(
   x, y = (jnp.asarray(a) for a in task.train)
   x_test, y_test = (jnp.asarray(a) for a in task.test)
   params, state = task.init(jax.random.key(seed), x[:1])
-  grad_fn = kaisa_jax.value_and_grad(task.loss, has_aux=True, n_examples=task.n_examples())
-  layers = None
-  if is_kfac(opt.name):
-    layers = grad_fn.layers(params, state, x[: task.batch_size], y[: task.batch_size])
-  tx = build(opt, steps, layers)
+  tx, step = make_step(task, opt, steps, params, state)
   opt_state = tx.init(params)
-
-  @jax.jit
-  def step(params, state, opt_state, xb, yb):
-    if layers is None:
-      (loss, state), grads = jax.value_and_grad(task.loss, has_aux=True)(params, state, xb, yb)
-      updates, opt_state = tx.update(grads, opt_state, params)
-    else:
-      (loss, state), grads, curvature = grad_fn(params, state, xb, yb)
-      updates, opt_state = tx.update(grads, opt_state, params, curvature=curvature)
-    return optax.apply_updates(params, updates), state, opt_state, loss
 
   seen = slice(None, None, -(-len(x) // TRAIN_LOSS_EXAMPLES))
 
@@ -112,7 +132,7 @@ def train(
   def record(k: int) -> None:
     loss, metric = (float(v) for v in evaluate(params, state))
     rec = {"step": k, "wall_seconds": wall, "train_loss": loss, "metric": metric}
-    if layers is not None:  # K-FAC's health counters
+    if is_kfac(opt.name):  # K-FAC's health counters
       kfac_state = opt_state[0]
       rec["skipped_factor_updates"] = int(kfac_state.skipped_factor_updates)
       rec["failed_decompositions"] = int(kfac_state.failed_decompositions)
