@@ -112,7 +112,7 @@ def bench_task(name: str, out: Path, seeds: list[int], blocks: int) -> None:
     print(f"(no compare results in {out / name} for seeds {seeds}: no time ratio)")
     return
   rows = {
-    n: report.optimizer_row(task, seeds) for n, seeds in read_runs(out / name, ran, seeds).items()
+    n: report.optimizer_row(task, runs) for n, runs in read_runs(out / name, ran, seeds).items()
   }
   found = report.ratios(rows)
   if found is None:
