@@ -14,6 +14,7 @@ Distributed: ``mesh = kaisa_jax.make_mesh("hybrid_opt")`` and
 ``jax.pmap``. A custom layer: ``kaisa_jax.register_layer(MyLayer, weight="w")``.
 """
 
+from kaisa_jax import accounting
 from kaisa_jax.capture import LayerCurvature, Layers, ValueAndGrad, value_and_grad
 from kaisa_jax.checkpointing import PortableKFACState, from_portable, to_portable
 from kaisa_jax.distribution import GRAD_WORKERS, RECEIVERS, make_mesh
@@ -38,6 +39,7 @@ __all__ = [
   "Plan",
   "PortableKFACState",
   "ValueAndGrad",
+  "accounting",
   "from_portable",
   "kfac",
   "layer_decompositions",

@@ -26,11 +26,13 @@ from kaisa_jax import assignment, transform
 FACTOR_REDUCTION = "factor reduction"
 DECOMPOSITION_SHARING = "decomposition sharing"
 GRADIENT_SHARING = "gradient sharing"
+CHAIN_CHECK = "chain check"
 OTHER = "other"
 _SCOPES = {
   transform.FACTOR_REDUCTION: FACTOR_REDUCTION,
   transform.DECOMPOSITION_SHARING: DECOMPOSITION_SHARING,
   transform.GRADIENT_SHARING: GRADIENT_SHARING,
+  transform.CHAIN_CHECK: CHAIN_CHECK,
 }
 _KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _DTYPE_BYTES = {
@@ -49,8 +51,10 @@ class Collective:
   Attributes:
     kind: ``"all-reduce"``, ``"all-gather"``, ``"reduce-scatter"``,
       ``"all-to-all"`` or ``"collective-permute"``.
-    phase: the K-FAC phase it belongs to, or ``"other"`` (for instance the
-      data-parallel gradient all-reduce of the train step).
+    phase: the K-FAC phase it belongs to, ``"chain check"`` (the first step's
+      check that kfac comes first in its chain: one small all-reduce, run once),
+      or ``"other"`` (for instance the data-parallel gradient all-reduce of the
+      train step).
     group_size: devices taking part in each of its groups.
     result_bytes: bytes of its result on one device.
     moved_bytes: bytes it moves per device (ring algorithms).
@@ -126,11 +130,15 @@ def hlo_collectives(compiled: Any, num_devices: int | None = None) -> list[Colle
 def per_step(
   collectives: list[Collective], factor_update_steps: int, inv_update_steps: int
 ) -> dict[str, float]:
-  """Bytes moved per device per step by phase, amortised over the cadence."""
+  """Bytes moved per device per step by phase, amortised over the cadence.
+
+  The chain check runs on the first step only: amortised over a run, nothing.
+  """
   every = {FACTOR_REDUCTION: factor_update_steps, DECOMPOSITION_SHARING: inv_update_steps}
   out = {p: 0.0 for p in (FACTOR_REDUCTION, DECOMPOSITION_SHARING, GRADIENT_SHARING, OTHER)}
   for c in collectives:
-    out[c.phase] += c.moved_bytes / every.get(c.phase, 1)
+    if c.phase != CHAIN_CHECK:
+      out[c.phase] += c.moved_bytes / every.get(c.phase, 1)
   return out
 
 

@@ -18,9 +18,16 @@ training continues bit for bit. With another device count, fraction or
 assignment the factors and decompositions move to their new owners. If a
 layer's method changed (eigen and inverse store the same shapes), the
 decompositions are recomputed at the first step after the restore; a side that
-changed between dense and diagonal cannot be restored (Orbax refuses the shape).
-Treatments do not depend on the device count: the cost rule uses the rows of the
-whole data-parallel batch.
+changed between dense and diagonal cannot be restored. Treatments do not depend
+on the device count: the cost rule uses the rows of the whole data-parallel
+batch.
+
+Both ends check their input: `to_portable` that each state has the buffer sizes
+and device axes its kfac makes (a pmapped state whole, with its device axis),
+`from_portable` that the checkpoint has exactly the model's layers, each with
+its dimensions and, where the treatment is the same, its decompositions' shapes.
+Orbax restores the numpy arrays of a portable target with the shapes they were
+saved with, so a checkpoint of another model reaches these checks as written.
 """
 
 from __future__ import annotations
@@ -32,7 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from kaisa_jax import assignment, preconditioning, transform
+from kaisa_jax import assignment, cost, preconditioning, transform
+from kaisa_jax import layers as layers_lib
 
 Array = Any
 
@@ -72,8 +80,105 @@ def _unstack(plan: transform.Plan, state: transform.KFACState) -> transform.KFAC
   )
 
 
+def _runs_on(plan: transform.Plan) -> str:
+  """Where ``plan``'s kfac runs, in words."""
+  comm = plan.collectives
+  grid = f"{comm.rows} group(s) x {comm.cols} grad worker(s)"
+  if comm.mode == "shard_map":
+    return f"a mesh of {grid}"
+  if comm.mode == "pmap":
+    return f"pmap over {comm.size} devices as {grid}"
+  return "one device"
+
+
+def _state_shapes(plan: transform.Plan, replicated: bool) -> dict[str, tuple[int, ...]]:
+  """The shape of each array of a `KFACState` that ``plan``'s kfac makes.
+
+  ``replicated``: a pmapped state, one copy per device along a leading axis.
+  """
+  layout = plan.layout
+  if plan.collectives.mode == "shard_map":
+    factors, decompositions, scalar = (layout.rows, layout.cols), (layout.rows, layout.cols), ()
+  elif replicated:
+    n = layout.devices
+    factors, decompositions, scalar = (n, 1, 1), (n, 1, layout.cols), (n,)
+  else:
+    factors, decompositions, scalar = (1, 1), (1, layout.cols), ()
+  return {
+    "factors": (*factors, layout.factor_size),
+    "decompositions": (*decompositions, layout.decomposition_size),
+    **dict.fromkeys(_SCALARS, scalar),
+  }
+
+
+def _is_replicated(plan: transform.Plan, state: transform.KFACState) -> bool:
+  """Whether ``state`` is a pmapped one, with a leading axis of one copy per device."""
+  return plan.collectives.mode == "pmap" and np.ndim(state.count) == 1
+
+
+def _device_axes(field: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+  """The axes of a `KFACState` array that depend on the devices (all but a buffer's last)."""
+  return shape if field in _SCALARS else shape[:-1]
+
+
+def _check_state(plan: transform.Plan, state: transform.KFACState) -> None:
+  """Raises unless ``state`` has the shapes of the states ``plan``'s kfac makes.
+
+  The leading axes depend on the devices; the buffer sizes (the last axes) on
+  the model's layers, their treatments and the assignment.
+  """
+  wanted = _state_shapes(plan, _is_replicated(plan, state))
+  got = {k: tuple(np.shape(getattr(state, k))) for k in wanted}
+  if got == wanted:
+    return
+  devices = [k for k in wanted if _device_axes(k, got[k]) != _device_axes(k, wanted[k])]
+  if devices:  # the buffer sizes follow the devices: name only these
+    shown = [k for k in devices if k in ("factors", "decompositions", "count")] or devices
+    cause = (
+      "its shapes differ: "
+      + ", ".join(f"{k} {got[k]} where this kfac makes {wanted[k]}" for k in shown)
+      + ": it was made for other devices (another mesh, grad worker fraction or device count, "
+      "or one device)"
+    )
+  else:
+    cause = (
+      "; ".join(
+        f"its {k[:-1]} buffer has {got[k][-1]} elements per device, this kfac's {wanted[k][-1]}"
+        for k in ("factors", "decompositions")
+        if got[k] != wanted[k]
+      )
+      + ": it was made for another model, other treatments (compute_method, max_cost_ratio) "
+      "or another assignment (assignment_cost)"
+    )
+  raise ValueError(
+    f"this K-FAC state was not made by this kfac (for {_runs_on(plan)}): {cause}. "
+    "Pass to_portable the kfac the state was made with"
+  )
+
+
+def _check_whole(plan: transform.Plan, state: transform.KFACState) -> None:
+  """Raises if ``state`` is one device's copy of a pmapped state that has taken steps.
+
+  A fresh state (no steps yet) is all zeros and stands for any device's.
+  """
+  if plan.collectives.mode != "pmap" or plan.layout.devices == 1:
+    return
+  if _is_replicated(plan, state):
+    return
+  steps = int(np.asarray(jax.device_get(state.count)))
+  if steps:
+    raise ValueError(
+      f"this K-FAC state is one device's copy of a pmapped state (after {steps} steps): each "
+      "device keeps only the factors of the layers it owns, so one copy lacks the others'. "
+      "Pass to_portable the state as the pmapped step returns it, with its leading device "
+      "axis (do not unreplicate K-FAC's state)"
+    )
+
+
 def _portable(plan: transform.Plan, state: transform.KFACState) -> PortableKFACState:
-  if plan.collectives.mode == "pmap" and state.count.ndim == 1:
+  _check_state(plan, state)
+  _check_whole(plan, state)
+  if _is_replicated(plan, state):
     state = _unstack(plan, state)
   host = jax.tree.map(np.asarray, jax.device_get(state))
   return PortableKFACState(
@@ -81,19 +186,106 @@ def _portable(plan: transform.Plan, state: transform.KFACState) -> PortableKFACS
     host.factor_total,
     host.skipped_factor_updates,
     host.failed_decompositions,
-    transform.layer_factors(plan, host),
-    transform.layer_decompositions(plan, host),
+    transform.grouped_factors(plan, host),
+    transform.grouped_decompositions(plan, host),
     {spec.name: _treatment_code(t) for spec, t in plan.layers},
   )
 
 
 def to_portable(kfac: transform.KFAC, tree: Any) -> Any:
-  """``tree`` with every `KFACState` of ``kfac`` replaced by a `PortableKFACState`."""
+  """``tree`` with every `KFACState` of ``kfac`` replaced by a `PortableKFACState`.
+
+  Each state must be one ``kfac`` made: its buffers are read with ``kfac``'s
+  layout, so a state of another model, treatment or device layout raises. A
+  pmapped state is passed whole, with its leading device axis.
+  """
   return jax.tree.map(
     lambda x: _portable(kfac.plan, x) if isinstance(x, transform.KFACState) else x,
     tree,
     is_leaf=_is_state,
   )
+
+
+_RESTORE_INTO_ITS_MODEL = (
+  "Restore it with a kfac built from the layers of the model it was saved from"
+)
+
+
+def _check_layer_names(plan: transform.Plan, portable: PortableKFACState) -> None:
+  """Raises unless the checkpoint has factors, decompositions and treatments for every layer."""
+  names = [spec.name for spec, _ in plan.layers]
+  saved = list(portable.factors)
+  extra = sorted(set(saved) - set(names))
+  missing = [n for n in names if n not in portable.factors]
+  if extra or missing:
+    problems = ([f"layers {extra} that this model lacks"] if extra else []) + (
+      [f"no factors for this model's layers {missing}"] if missing else []
+    )
+    raise ValueError(
+      f"the checkpoint has {' and '.join(problems)}: it was saved from another model (its "
+      f"layers: {sorted(saved)}; this model's: {names}). {_RESTORE_INTO_ITS_MODEL}"
+    )
+  for field in ("decompositions", "treatments"):
+    keys = set(getattr(portable, field))
+    if keys != set(names):
+      raise ValueError(
+        f"the checkpoint's {field} are for layers {sorted(keys)} but its factors for "
+        f"{sorted(names)}: it is not as kaisa_jax.to_portable writes it. Restore a checkpoint "
+        "that to_portable wrote, with the kfac it was made with"
+      )
+
+
+def _factor_side(shape: tuple[int, ...]) -> tuple[int, int, bool] | None:
+  """``(groups, dim, diagonal)`` of a factor of ``shape``; ``None`` if no factor has it."""
+  if len(shape) == 2:
+    return shape[0], shape[1], True
+  if len(shape) == 3 and shape[1] == shape[2]:
+    return shape[0], shape[1], False
+  return None
+
+
+def _check_factors(
+  spec: layers_lib.LayerSpec, t: cost.Treatment, shapes: list[tuple[int, ...]]
+) -> None:
+  """Raises unless a layer's saved factors have the shapes ``t`` gives them here.
+
+  Other dimensions mean another model; the same dimensions with a side dense in
+  one and diagonal in the other mean another treatment.
+  """
+  wanted = [tuple(s) for s in assignment.factor_shapes(spec, t)]
+  if shapes == wanted:
+    return
+  sides = [_factor_side(s) for s in shapes]
+  dims = [(spec.groups, spec.a_dim), (spec.groups, spec.g_dim)]
+  if len(sides) != 2 or None in sides or [side[:2] for side in sides] != dims:
+    raise ValueError(
+      f"layer {spec.name!r} has factors of shapes {shapes} in the checkpoint but {wanted} "
+      f"here: its dimensions differ (here A is {spec.a_dim} and G {spec.g_dim} wide"
+      + (f", in {spec.groups} groups" if spec.groups > 1 else "")
+      + f"), so the checkpoint was saved from another model. {_RESTORE_INTO_ITS_MODEL}"
+    )
+  changed = [n for n, side, diag in zip("AG", sides, t.diagonal, strict=True) if side[2] != diag]
+  raise ValueError(
+    f"layer {spec.name!r} has factors of shapes {shapes} in the checkpoint but {wanted} "
+    f"here: its {' and '.join(changed)} side{'s are' if len(changed) > 1 else ' is'} dense "
+    "in one and diagonal in the other; "
+    "restore with the compute_method and max_cost_ratio the checkpoint was made with (and the "
+    "same batch size, which the cost rule weighs; print(kfac.plan) shows each layer's "
+    "treatment)"
+  )
+
+
+def _check_decompositions(
+  spec: layers_lib.LayerSpec, t: cost.Treatment, shapes: list[tuple[int, ...]]
+) -> None:
+  """Raises unless a layer's saved decompositions have the shapes its treatment ``t`` gives."""
+  wanted = [tuple(x) for side in assignment.decomposition_shapes(spec, t) for x in side]
+  if shapes != wanted:
+    raise ValueError(
+      f"layer {spec.name!r} has decompositions of shapes {shapes} in the checkpoint, but its "
+      f"treatment there ({t}) makes {wanted}: the checkpoint is not as kaisa_jax.to_portable "
+      "writes it. Restore a checkpoint that to_portable wrote, with the kfac it was made with"
+    )
 
 
 def _layout_state(
@@ -102,28 +294,20 @@ def _layout_state(
   """The global ``(N / W, W, ...)`` state of ``plan`` from a portable one (numpy)."""
   layout = plan.layout
   names = [spec.name for spec, _ in plan.layers]
-  missing = sorted(set(names) - portable.factors.keys())
-  if missing:
-    raise ValueError(
-      f"the checkpoint has no factors for layers {missing}: was it saved from this model?"
-    )
+  _check_layer_names(plan, portable)
   refresh = False
   factors, decompositions = {}, {}
   for spec, t in plan.layers:
     saved = [np.asarray(x) for x in portable.factors[spec.name]]
-    wanted = assignment.factor_shapes(spec, t)
-    if [x.shape for x in saved] != [tuple(w) for w in wanted]:
-      raise ValueError(
-        f"layer {spec.name!r} has factors of shapes {[x.shape for x in saved]} in the "
-        f"checkpoint but {wanted} here: a side is dense in one and diagonal in the other; "
-        "restore with the compute_method and max_cost_ratio the checkpoint was made with"
-      )
+    _check_factors(spec, t, [x.shape for x in saved])
     factors[spec.name] = saved
     shapes = [x for side in assignment.decomposition_shapes(spec, t) for x in side]
     if np.array_equal(np.asarray(portable.treatments[spec.name]), _treatment_code(t)):
-      decompositions[spec.name] = [
-        x for side in portable.decompositions[spec.name] for x in side if x is not None
+      saved = [
+        np.asarray(x) for side in portable.decompositions[spec.name] for x in side if x is not None
       ]
+      _check_decompositions(spec, t, [x.shape for x in saved])
+      decompositions[spec.name] = saved
     else:  # another method: recompute at the next step
       decompositions[spec.name] = [np.zeros(s, dec_dtype) for s in shapes]
       refresh = True

@@ -117,6 +117,21 @@ def split(flat: Array, shapes: Sequence[tuple[int, ...]]) -> list[Array]:
   return out
 
 
+def mapped_axes() -> dict[Any, int]:
+  """The named axes the current trace is mapped over, with their sizes.
+
+  ``jax.pmap``, ``jax.shard_map`` and a ``jax.vmap`` given an ``axis_name``
+  bind them. JAX has no public query for this; an empty dict if its internals
+  move (the check that uses it is then skipped).
+  """
+  try:
+    from jax._src import core as jax_core
+
+    return dict(jax_core.get_axis_env().axis_sizes)
+  except (ImportError, AttributeError):  # pragma: no cover: another JAX version
+    return {}
+
+
 @dataclasses.dataclass(frozen=True)
 class Collectives:
   """K-FAC's collectives for one way of running the step.
@@ -136,10 +151,31 @@ class Collectives:
     return self.rows * self.cols
 
   def check(self) -> None:
-    """Raises if the step does not run over the devices kfac was built for."""
+    """Raises if the step does not run over the devices kfac was built for.
+
+    That includes a step mapped over devices that kfac was not told about: each
+    device would then precondition with the factors of its own share of the
+    batch, and the replicas would drift apart without any error.
+    """
+    names = {
+      "single": (),
+      "shard_map": (RECEIVERS, GRAD_WORKERS),
+      "pmap": (self.axis_name,),
+    }[self.mode]
+    unknown = {k: v for k, v in mapped_axes().items() if k not in names and v > 1}
+    if unknown:
+      built = "one device" if self.mode == "single" else f"{self.mode} over the axes {names}"
+      raise ValueError(
+        f"kfac's update runs mapped over the axes {unknown} (jax.pmap, jax.shard_map or a "
+        f"named jax.vmap), but kfac was built for {built}: every device would "
+        "precondition with the factors of its own share of the batch. Build kfac for the "
+        "data-parallel devices: kaisa_jax.kfac(..., axis_name=NAME) under jax.pmap(..., "
+        "axis_name=NAME), or kaisa_jax.kfac(..., mesh=kaisa_jax.make_mesh(fraction)) under "
+        "jax.shard_map over that mesh. (An axis that is not data parallel, such as a "
+        "jax.vmap over an ensemble, must not be named.)"
+      )
     if self.mode == "single":
       return
-    names = (RECEIVERS, GRAD_WORKERS) if self.mode == "shard_map" else (self.axis_name,)
     try:
       sizes = [jax.lax.psum(1, name) for name in names]
     except NameError as e:

@@ -2,6 +2,13 @@
 
 Every numeric hyperparameter is a number or an Optax-style schedule (a function
 of the step count). A schedule is checked by evaluating it at step 0.
+
+Under ``optax.inject_hyperparams`` the transformation is built again inside the
+traced step with the hyperparameters as traced scalars. Those that only enter
+the step's arithmetic (`RUNTIME`) may be traced: their shape and dtype are
+checked, their values were checked when the initial state was made. Those that
+decide the layout of the state (`STATIC`) must be concrete: `static` says which
+``static_args`` to pass.
 """
 
 from __future__ import annotations
@@ -19,6 +26,29 @@ ScalarOrSchedule = float | Callable[[Array], Any]
 IntOrSchedule = int | Callable[[Array], Any]
 
 
+RUNTIME = ("damping", "factor_decay", "factor_update_steps", "kl_clip", "lr")
+STATIC = ("inv_update_steps", "max_cost_ratio", "grad_worker_fraction", "axis_size")
+
+
+def is_traced(value: Any) -> bool:
+  """Whether ``value`` is a traced array (its value is unknown while tracing)."""
+  return isinstance(value, jax.core.Tracer)
+
+
+def static(name: str, value: Any) -> Any:
+  """``value`` as a Python number (a concrete scalar array is converted); raises if traced."""
+  if is_traced(value):
+    raise TypeError(
+      f"kfac's {name} decides how each layer is treated and laid out when kfac is built, so "
+      "it cannot be a traced value. Under optax.inject_hyperparams, keep it static: "
+      f"optax.inject_hyperparams(kaisa_jax.kfac, static_args={STATIC!r}); only {RUNTIME} "
+      "may be injected"
+    )
+  if isinstance(value, np.ndarray | jax.Array) and np.ndim(value) == 0:
+    return value.item()
+  return value
+
+
 def _check_scalar(
   name: str, value: Any, low: float, high: float, open_low: bool, closed_high: bool
 ) -> None:
@@ -26,6 +56,8 @@ def _check_scalar(
     raise TypeError(f"{name} must be a real number or a schedule, got {value!r}")
   if np.ndim(value) != 0:
     raise TypeError(f"{name} must be a scalar, got shape {np.shape(value)}")
+  if is_traced(value):  # injected: checked at init, when it was concrete
+    return
   v = float(value)
   above = low < v if open_low else low <= v
   below = v <= high if closed_high else v < high
@@ -55,15 +87,17 @@ def check_scalar(
 
 
 def check_steps(name: str, value: Any) -> int:
-  """Checks a step count or its schedule; returns its value at step 0."""
+  """Checks a step count or its schedule; returns its value at step 0 (1 if traced)."""
   at_zero = value(jnp.asarray(0, jnp.int32)) if callable(value) else value
   label = f"{name}(0)" if callable(value) else name
   if isinstance(at_zero, bool) or not isinstance(
     at_zero, numbers.Integral | np.ndarray | jax.Array
   ):
     raise TypeError(f"{label} must be a positive int, got {at_zero!r}")
-  if np.ndim(at_zero) != 0 or not np.issubdtype(np.asarray(at_zero).dtype, np.integer):
+  if np.ndim(at_zero) != 0 or not jnp.issubdtype(jnp.result_type(at_zero), jnp.integer):
     raise TypeError(f"{label} must be a positive int, got {at_zero!r}")
+  if is_traced(at_zero):  # injected: checked at init, when it was concrete
+    return 1
   if int(at_zero) < 1:
     raise ValueError(f"{label} must be at least 1, got {int(at_zero)}")
   return int(at_zero)

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -41,6 +42,7 @@ Array = jax.Array
 FACTOR_REDUCTION = "kaisa_factor_reduction"
 DECOMPOSITION_SHARING = "kaisa_decomposition_sharing"
 GRADIENT_SHARING = "kaisa_gradient_sharing"
+CHAIN_CHECK = "kaisa_chain_check"
 
 
 class KFACState(NamedTuple):
@@ -112,7 +114,7 @@ class Plan:
       for dim, diag in zip((spec.a_dim, spec.g_dim), t.diagonal, strict=True):
         shape = f"{dim}" if diag else f"{dim}x{dim}"
         sides.append(f"{spec.groups}x{shape}" if spec.groups > 1 else shape)
-      ratio = cost.step_cost_ratio(spec, t, self.inv_update_steps)
+      ratio = cost.step_cost_ratio(_whole_batch(spec, self.collectives), t, self.inv_update_steps)
       lines.append(
         f"{spec.name:<{w}} {spec.kind:<{k}} {sides[0]:>12} {sides[1]:>12}  {t!s:<22}"
         f" {ratio:>9.2f}x {row:>5} {col:>6}"
@@ -128,6 +130,17 @@ class Plan:
       f"({100 * slack:.0f}% balance slack)"
     )
     return "\n".join(lines)
+
+
+def _whole_batch(
+  spec: layers_lib.LayerSpec, comm: distribution.Collectives
+) -> layers_lib.LayerSpec:
+  """The layer as the cost rule weighs it: the rows of the whole data-parallel batch.
+
+  Layers are traced with one device's batch; weighing the whole batch makes a
+  layer's treatment independent of the device count.
+  """
+  return dataclasses.replace(spec, rows=spec.rows * comm.size)
 
 
 class KFAC(optax.GradientTransformationExtraArgs):
@@ -267,6 +280,55 @@ def _switch(index: Array, branches: list, *operands):
   return jax.lax.switch(index, branches, *operands)
 
 
+def _alignment_layer(plan: Plan) -> int | None:
+  """The cheapest layer whose gradient `gradient_alignment` can rebuild, if any."""
+  eligible = [
+    i
+    for i, (spec, _) in enumerate(plan.layers)
+    if spec.kind not in (*layers_lib.NORMS, layers_lib.EMBED)
+    and not any(spec.layer_kind.transposed(m) for m in spec.methods)
+  ]
+  return min(eligible, key=lambda i: plan.layers[i][0].num_weights, default=None)
+
+
+def gradient_alignment(
+  spec: layers_lib.LayerSpec, entry: Any, v: Array, dtype: Any, comm: distribution.Collectives
+) -> Array:
+  """The cosine between ``V`` and the layer's gradient as its curvature implies it.
+
+  The gradient is rebuilt from the captured inputs and output gradients,
+  ``sum_devices sum_calls sum_rows [a, 1] g^T``: the cosine is 1 when ``V`` is
+  the data-parallel gradient (or a positive multiple of it), -1 when ``V`` is
+  an optimizer's step ``-lr * grad``, and about -0.8 for Adam's first step.
+  """
+  grad = jnp.zeros((spec.groups, spec.a_dim, spec.g_dim), dtype)
+  for method, a, g in zip(spec.methods, entry.a, entry.g, strict=True):
+    a_rows = layers_lib.input_rows(spec, method, a, dtype).reshape(spec.groups, -1, spec.a_dim)
+    g_rows = layers_lib.output_rows(spec, method, g, dtype).reshape(spec.groups, -1, spec.g_dim)
+    grad = grad + jnp.einsum("gra,gro->gao", a_rows, g_rows, precision=preconditioning.HIGHEST)
+  with jax.named_scope(CHAIN_CHECK):
+    grad = comm.total(grad)
+  norms = jnp.linalg.norm(v) * jnp.linalg.norm(grad)
+  return jnp.where(norms > 0, jnp.sum(v * grad) / jnp.where(norms > 0, norms, 1.0), 0.0)
+
+
+# A cosine below this between kfac's incoming updates and the gradient means an
+# optimizer ran first. A legitimate transformation before kfac (clipping, weight
+# decay) keeps the cosine near 1; one whose result is discarded (the partial sums
+# of optax.MultiSteps) may lower it, hence the margin below 0.
+MIN_ALIGNMENT = -0.5
+
+
+def _raise_if_against_gradient(cosine: Any) -> None:
+  if cosine < MIN_ALIGNMENT:
+    raise ValueError(
+      "kfac received updates that point against the gradient (cosine "
+      f"{float(cosine):.2f} with the gradient its curvature implies): another optimizer runs "
+      "before kfac in the chain. K-FAC preconditions the gradient, so it comes first: "
+      "optax.chain(kaisa_jax.kfac(...), optax.sgd(lr, momentum=0.9))"
+    )
+
+
 def update_factors(
   plan: Plan,
   state: KFACState,
@@ -383,15 +445,18 @@ def precondition_grads(
   mine = _switch(row, [branch(r) for r in range(layout.rows)], decompositions)
   with jax.named_scope(GRADIENT_SHARING):
     everyone = comm.gather_receivers(mine)
-  out, vg_sum = {}, jnp.zeros([], dtype)
+  by_index = {}
   for r in range(layout.rows):
     group = layout.group(r)
-    for i, p in zip(
-      group, distribution.split(everyone[r], [matrices[i].shape for i in group]), strict=True
-    ):
-      vg_sum = vg_sum + jnp.sum(p * matrices[i])
-      out[plan.layers[i][0].name] = p
-  return out, vg_sum
+    by_index.update(
+      zip(group, distribution.split(everyone[r], [matrices[i].shape for i in group]), strict=True)
+    )
+  # Summed in plan order, whatever the layout: the float32 sum, and so the KL
+  # clip, are then bit for bit the same for every grad worker fraction.
+  vg_sum = jnp.zeros([], dtype)
+  for i in range(len(plan.layers)):
+    vg_sum = vg_sum + jnp.sum(by_index[i] * matrices[i])
+  return {spec.name: by_index[i] for i, (spec, _) in enumerate(plan.layers)}, vg_sum
 
 
 def _collectives(
@@ -441,7 +506,7 @@ def kfac(
   lr: hp.ScalarOrSchedule | None = None,
   compute_method: str = preconditioning.EIGEN,
   weight_sharing: str = factors_lib.EXPAND,
-  factor_dtype: Any = jnp.float32,
+  factor_dtype: Any = "float32",
   max_cost_ratio: float | None = 4.0,
   grad_worker_fraction: float | str | None = None,
   mesh: Mesh | None = None,
@@ -454,8 +519,15 @@ def kfac(
   Turns the gradient of every captured layer into
   ``nu * (A (x) G + damping I)^-1 vec(grad)`` and passes every other gradient
   through unchanged. The result is not negated or scaled by a learning rate:
-  chain it with an optimizer, ``optax.chain(kfac(...), optax.sgd(lr, 0.9))``,
-  and pass ``curvature=`` (from `kaisa_jax.value_and_grad`) to ``update``.
+  chain it with an optimizer, K-FAC first,
+  ``optax.chain(kfac(...), optax.sgd(lr, 0.9))``, and pass ``curvature=``
+  (from `kaisa_jax.value_and_grad`) to ``update``. The first step checks the
+  order: incoming updates that point against the gradient the curvature
+  implies (cosine below -0.5, as an optimizer's step does) raise.
+
+  Misuse raises rather than training wrongly: an ``update`` mapped over devices
+  (``jax.pmap``, ``jax.shard_map``) that kfac was not built for, with
+  ``axis_name=`` or ``mesh=``, raises at trace time.
 
   Args:
     layers: the model's layers, from ``grad_fn.layers(params, batch)`` where
@@ -478,8 +550,9 @@ def kfac(
       2023): ``"expand"`` (every row is a sample) or ``"reduce"`` (each
       example's inputs averaged and output gradients summed first); see
       `kaisa_jax.factors`. Embedding lookups always expand.
-    factor_dtype: dtype of the factors; decompositions run in this dtype but
-      never below float32, and results are cast back to the gradient dtype.
+    factor_dtype: dtype of the factors (a dtype or its name); decompositions
+      run in this dtype but never below float32, and results are cast back to
+      the gradient dtype.
     max_cost_ratio: a layer whose preconditioning and amortised decompositions
       would cost more than this many times its own forward and backward pass
       gets a cheaper treatment (inverse method, then diagonal sides); see
@@ -501,6 +574,11 @@ def kfac(
 
   Every hyperparameter but ``compute_method``, ``factor_dtype``,
   ``max_cost_ratio`` and the distribution arguments may be an Optax schedule.
+  Under ``optax.inject_hyperparams``, ``damping``, ``lr``, ``kl_clip``,
+  ``factor_decay`` and ``factor_update_steps`` may be injected (changed in the
+  state between jitted steps); ``inv_update_steps``, ``max_cost_ratio``,
+  ``grad_worker_fraction`` and ``axis_size`` decide the layout of the state
+  and must be listed in ``static_args`` (a traced one raises saying so).
 
   Returns:
     A `KFAC` transformation (an ``optax.GradientTransformationExtraArgs``);
@@ -512,6 +590,10 @@ def kfac(
       "kaisa_jax.value_and_grad(loss_fn); kaisa_jax.kfac(grad_fn.layers(params, batch), ...)"
       f"; got {type(layers).__name__}"
     )
+  inv_update_steps = hp.static("inv_update_steps", inv_update_steps)
+  max_cost_ratio = hp.static("max_cost_ratio", max_cost_ratio)
+  grad_worker_fraction = hp.static("grad_worker_fraction", grad_worker_fraction)
+  axis_size = hp.static("axis_size", axis_size)
   hp.check_scalar("damping", damping, 0.0, open_low=True)
   hp.check_scalar("factor_decay", factor_decay, 0.0, 1.0)
   hp.check_steps("factor_update_steps", factor_update_steps)
@@ -532,21 +614,26 @@ def kfac(
     raise ValueError(
       f"weight_sharing must be one of {factors_lib.WEIGHT_SHARING}, got {weight_sharing!r}"
     )
+  if isinstance(factor_dtype, jax.Array | np.ndarray):
+    raise TypeError(
+      "factor_dtype arrived as an array: optax.inject_hyperparams takes a dtype such as "
+      "jnp.bfloat16 for a schedule; pass factor_dtype as a string ('bfloat16') or list it in "
+      "static_args"
+    )
   if not jnp.issubdtype(factor_dtype, jnp.floating):
     raise TypeError(f"factor_dtype must be a floating dtype, got {factor_dtype!r}")
+  factor_dtype = jnp.dtype(factor_dtype)
   if max_cost_ratio is not None:
     hp.check_scalar("max_cost_ratio", max_cost_ratio, 0.0, open_low=True)
   if assignment_cost not in assignment.COSTS:
     raise ValueError(f"assignment_cost must be one of {assignment.COSTS}, got {assignment_cost!r}")
   comm = _collectives(grad_worker_fraction, mesh, axis_name, axis_size)
 
-  # Layers were traced with one device's batch; the cost rule weighs the whole
-  # data-parallel batch, so a layer's treatment does not depend on the devices.
   treated = tuple(
     (
       spec,
       cost.choose_treatment(
-        dataclasses.replace(spec, rows=spec.rows * comm.size),
+        _whole_batch(spec, comm),
         compute_method,
         inv_steps_at_zero,
         max_cost_ratio,
@@ -565,6 +652,7 @@ def kfac(
       stacklevel=2,
     )
   dec_dtype = preconditioning.decomposition_dtype(factor_dtype)
+  check_layer = _alignment_layer(plan)
 
   def zero_state(rows: int, cols: int) -> KFACState:
     return KFACState(
@@ -592,6 +680,15 @@ def kfac(
     grads = _layer_params(updates, plan, "updates")
     step = state.count
     damp = hp.at(damping, step, dec_dtype)
+    if check_layer is not None:  # chain order, once: the first step only
+      spec = plan.layers[check_layer][0]
+
+      def check_order():
+        v = layers_lib.to_matrix(spec, grads[spec.name], dec_dtype)
+        alignment = gradient_alignment(spec, curvature[spec.name], v, dec_dtype, comm)
+        jax.debug.callback(_raise_if_against_gradient, alignment)
+
+      jax.lax.cond(step == 0, check_order, lambda: None)
 
     every = hp.at(factor_update_steps, step, jnp.int32)
     decay = hp.at(factor_decay, step)
@@ -632,8 +729,8 @@ def kfac(
   return tx
 
 
-def layer_factors(plan: Plan, state: KFACState) -> dict[str, LayerFactors]:
-  """Each layer's running-average factors, from a state.
+def grouped_factors(plan: Plan, state: KFACState) -> dict[str, LayerFactors]:
+  """Each layer's running-average factors with their leading groups axis.
 
   Works on a single-device state and on the global state of a mesh (outside
   ``shard_map``), where it reads each factor from the device that owns it.
@@ -648,8 +745,8 @@ def layer_factors(plan: Plan, state: KFACState) -> dict[str, LayerFactors]:
   return {spec.name: out[i] for i, (spec, _) in enumerate(plan.layers)}
 
 
-def layer_decompositions(plan: Plan, state: KFACState) -> dict[str, LayerDecompositions]:
-  """Each layer's latest decompositions, from a state (as `layer_factors`)."""
+def grouped_decompositions(plan: Plan, state: KFACState) -> dict[str, LayerDecompositions]:
+  """Each layer's latest decompositions with their leading groups axis (as `grouped_factors`)."""
   out = {}
   rows = state.decompositions.shape[0]
   for r in range(plan.layout.rows):
@@ -658,6 +755,31 @@ def layer_decompositions(plan: Plan, state: KFACState) -> dict[str, LayerDecompo
       buffer = state.decompositions[r % rows, c]
       out.update(zip(owned, _unpack_decompositions(plan, buffer, owned), strict=True))
   return {spec.name: out[i] for i, (spec, _) in enumerate(plan.layers)}
+
+
+def _drop_groups_axis(plan: Plan, per_layer: dict[str, Any]) -> dict[str, Any]:
+  """Removes the leading groups axis of the layers with one group (all but grouped convs)."""
+  groups = {spec.name: spec.groups for spec, _ in plan.layers}
+  return {
+    name: jax.tree.map(lambda x, g=groups[name]: x[0] if g == 1 else x, value)
+    for name, value in per_layer.items()
+  }
+
+
+def layer_factors(plan: Plan, state: KFACState) -> dict[str, LayerFactors]:
+  """Each layer's running-average factors ``A`` and ``G``, from a state.
+
+  A dense side is ``(d, d)``, a diagonal one ``(d,)``; a convolution with
+  ``feature_group_count = k > 1`` has one factor per group, ``(k, d, d)``.
+  Works on a single-device state and on the global state of a mesh (outside
+  ``shard_map``), where it reads each factor from the device that owns it.
+  """
+  return _drop_groups_axis(plan, grouped_factors(plan, state))
+
+
+def layer_decompositions(plan: Plan, state: KFACState) -> dict[str, LayerDecompositions]:
+  """Each layer's latest decompositions, shaped as `layer_factors` shapes the factors."""
+  return _drop_groups_axis(plan, grouped_decompositions(plan, state))
 
 
 def state_partition_specs(state: KFACState) -> KFACState:
@@ -675,7 +797,24 @@ def partition_specs(tree: Any) -> Any:
   receivers (each group holds its own); everything else is replicated.
   """
   return jax.tree.map(
-    lambda x: state_partition_specs(x) if isinstance(x, KFACState) else P(),
+    lambda x: state_partition_specs(_check_made_for_mesh(x)) if isinstance(x, KFACState) else P(),
     tree,
     is_leaf=lambda x: isinstance(x, KFACState),
   )
+
+
+def _check_made_for_mesh(state: KFACState) -> KFACState:
+  """Raises if ``state`` is a concrete one-device state (not sharded over a mesh)."""
+  factors = state.factors
+  if (
+    isinstance(factors, jax.Array)
+    and not hp.is_traced(factors)
+    and not isinstance(factors.sharding, NamedSharding)
+  ):
+    raise ValueError(
+      "this K-FAC state was made by a kfac built without mesh=, for one device: it cannot "
+      "be split over a mesh. Build kaisa_jax.kfac(..., mesh=mesh) with the mesh the train "
+      "step's jax.shard_map runs over (mesh = kaisa_jax.make_mesh(fraction)), and init the "
+      "state with it"
+    )
+  return state

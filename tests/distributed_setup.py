@@ -62,7 +62,21 @@ class ScannedMLP(nn.Module):
     return nn.Dense(5)(x)
 
 
-MODELS = {"mlp": MLP(), "cnn": CNN(), "scanned": ScannedMLP()}
+class Deep(nn.Module):
+  """12 layers of several shapes (4 convolutions, 8 dense): their order on the devices
+  differs from one grad worker fraction to another."""
+
+  @nn.compact
+  def __call__(self, x):
+    for features, strides in ((4, 1), (6, 2), (8, 1), (8, 2)):
+      x = nn.relu(nn.Conv(features, (3, 3), strides=strides)(x))
+    x = x.reshape(x.shape[0], -1)
+    for width in (32, 24, 16, 16, 12, 12, 8):
+      x = nn.tanh(nn.Dense(width)(x))
+    return nn.Dense(5)(x)
+
+
+MODELS = {"mlp": MLP(), "cnn": CNN(), "scanned": ScannedMLP(), "deep": Deep()}
 
 
 def batches(steps: int) -> tuple[np.ndarray, np.ndarray]:

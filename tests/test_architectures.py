@@ -34,9 +34,9 @@ def _factors(x_rows, g_rows, bias, n, sharing):
 
 def _check(tx, state, updates, grads, name, a_ref, g_ref, v, rtol=1e-8):
   factors = kaisa_jax.layer_factors(tx.plan, state)[name]
-  a = factors.a[0] if factors.a.ndim == 3 else np.diag(factors.a[0])
+  a = factors.a if factors.a.ndim == 2 else np.diag(factors.a)
   np.testing.assert_allclose(a, a_ref, rtol=1e-9, atol=1e-12)
-  np.testing.assert_allclose(factors.g[0], g_ref, rtol=1e-9, atol=1e-12)
+  np.testing.assert_allclose(factors.g, g_ref, rtol=1e-9, atol=1e-12)
   expected = ref.kronecker_solve(a_ref, g_ref, v, DAMPING)
   np.testing.assert_allclose(updates, expected, rtol=rtol, atol=1e-11)
   assert not np.allclose(updates, v, rtol=1e-2)  # preconditioning changed it
@@ -102,8 +102,8 @@ def test_dense_reduce_differs_from_expand(x64):
   g = np.asarray(jax.grad(head)(layer.apply(params, x)))
   for sharing, f in factors.items():
     a_ref, g_ref = _factors(np.asarray(x), g, True, 4, sharing)
-    np.testing.assert_allclose(f.a[0], a_ref, rtol=1e-10)
-    np.testing.assert_allclose(f.g[0], g_ref, rtol=1e-10)
+    np.testing.assert_allclose(f.a, a_ref, rtol=1e-10)
+    np.testing.assert_allclose(f.g, g_ref, rtol=1e-10)
   assert not np.allclose(factors["expand"].a, factors["reduce"].a, rtol=1e-2)
 
 

@@ -90,7 +90,7 @@ def test_running_average_is_bias_corrected():
   weights = np.array([0.7**2, 0.7, 1.0]) * 0.3
   expected = sum(w * f for w, f in zip(weights, batch_factors)) / weights.sum()
   factors = kaisa_jax.layer_factors(tx.plan, state)["Dense_0"]
-  np.testing.assert_allclose(factors.a[0], expected, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(factors.a, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_damping_schedule_is_honoured_step_by_step(x64):
@@ -109,7 +109,7 @@ def test_damping_schedule_is_honoured_step_by_step(x64):
     for name in ("Dense_0", "Dense_1"):
       f = last_inverse_factors[name]
       v = ref.gradient_matrix(grads["params"][name]["kernel"], grads["params"][name]["bias"], 1)[0]
-      expected = ref.kronecker_solve(f.a[0], f.g[0], v, schedule(k))
+      expected = ref.kronecker_solve(f.a, f.g, v, schedule(k))
       got = ref.gradient_matrix(
         updates["params"][name]["kernel"], updates["params"][name]["bias"], 1
       )[0]

@@ -158,8 +158,8 @@ def test_layer_called_twice_averages_its_calls(x64):
   )
   g_ref = 0.5 * (ref.output_factor(g1, 5) + ref.output_factor(g2, 5))
   (factors,) = kaisa_jax.layer_factors(tx.plan, state).values()
-  np.testing.assert_allclose(factors.a[0], a_ref, rtol=1e-10)
-  np.testing.assert_allclose(factors.g[0], g_ref, rtol=1e-10)
+  np.testing.assert_allclose(factors.a, a_ref, rtol=1e-10)
+  np.testing.assert_allclose(factors.g, g_ref, rtol=1e-10)
 
 
 def test_n_examples_override_scales_g_factor():
@@ -177,5 +177,5 @@ def test_n_examples_override_scales_g_factor():
     _, grads, curvature = grad_fn(params, x)
     tx = kaisa_jax.kfac(layers, factor_decay=0.0, kl_clip=None)
     states.append(tx.update(grads, tx.init(params), params, curvature=curvature)[1])
-  g_default, g_tokens = (kaisa_jax.layer_factors(tx.plan, s)["Dense"].g[0] for s in states)
+  g_default, g_tokens = (kaisa_jax.layer_factors(tx.plan, s)["Dense"].g for s in states)
   np.testing.assert_allclose(g_tokens, 3.0 * g_default, rtol=1e-5)

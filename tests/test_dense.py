@@ -49,8 +49,8 @@ def test_dense_matches_dense_solve(x64, bias, input_shape, method):
   a_ref = ref.input_factor(ref.dense_rows(np.asarray(x), bias))
   g_ref = ref.output_factor(g.reshape(-1, 3), n=input_shape[0])
   (factors,) = kaisa_jax.layer_factors(tx.plan, state).values()
-  np.testing.assert_allclose(factors.a[0], a_ref, rtol=1e-10, atol=1e-12)
-  np.testing.assert_allclose(factors.g[0], g_ref, rtol=1e-10, atol=1e-12)
+  np.testing.assert_allclose(factors.a, a_ref, rtol=1e-10, atol=1e-12)
+  np.testing.assert_allclose(factors.g, g_ref, rtol=1e-10, atol=1e-12)
 
   v = ref.gradient_matrix(grads["params"]["kernel"], grads["params"].get("bias"), 1)[0]
   if method == "eigen":

@@ -49,6 +49,25 @@ def test_same_preconditioned_gradient_and_training_as_one_device(mode, model_nam
     np.testing.assert_array_equal(a, b)
 
 
+def test_every_fraction_and_both_mappings_train_bit_for_bit_alike_with_many_layers():
+  """12 layers, KL clip on: the clip's sum over layers must not follow the device order."""
+  fractions = distribution.valid_fractions(8)
+  runs, orders = {}, set()
+  for mode in ("shard_map", "pmap"):
+    for fraction in fractions:
+      _, params, kfac = run("deep", mode, 8, fraction, 4, chained=True)
+      runs[mode, fraction] = params
+      layout = kfac.plan.layout
+      orders.add(tuple(i for r in range(layout.rows) for i in layout.group(r)))
+  assert len(kfac.plan.layers) == 12 and kfac.plan.layers[0][0].kind == "conv"
+  assert len(orders) > 2  # the fractions really order the layers differently
+  reference = runs["shard_map", "1"]
+  assert relative_error(reference, jax.tree.map(np.asarray, initial_params("deep"))) > 1e-2
+  for key, params in runs.items():
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(reference), strict=True):
+      np.testing.assert_array_equal(a, b, err_msg=str(key))
+
+
 @pytest.mark.parametrize("mode, n, fraction", [("shard_map", 8, "1/4"), ("pmap", 4, "1/2")])
 def test_scanned_layers_distribute_like_one_device(mode, n, fraction):
   kfac = build("scanned", mode, n, fraction, 1, chained=False)[3]
@@ -113,7 +132,7 @@ def test_second_order_state_is_sharded():
 def test_collectives_in_compiled_step_match_the_model(fraction):
   fn, (params, state), inputs, kfac = build("cnn", "shard_map", 8, fraction, 1, chained=True)
   collectives = accounting.hlo_collectives(fn.lower(params, state, *inputs[0]).compile(), 8)
-  measured = {phase: 0.0 for phase in accounting.per_step([], 1, 1)}
+  measured = {phase: 0.0 for phase in (*accounting.per_step([], 1, 1), accounting.CHAIN_CHECK)}
   for c in collectives:
     measured[c.phase] += c.moved_bytes
   model, _ = accounting.communication_model(kfac.plan)

@@ -121,7 +121,7 @@ def test_restore_with_another_treatment_converts_and_recomputes(tmp_path):
   for name, dec in kaisa_jax.layer_decompositions(inverse.plan, after).items():
     for side, factor in zip(dec, factors[name]):  # each basis is now (F + damping)^-1
       eye = np.eye(factor.shape[-1])
-      np.testing.assert_allclose(side.basis[0] @ (factor[0] + 1e-2 * eye), eye, atol=1e-3)
+      np.testing.assert_allclose(side.basis @ (factor + 1e-2 * eye), eye, atol=1e-3)
 
 
 # -------------------------------------------------------------------- non-finite values
