@@ -1,121 +1,380 @@
 """Command line: ``python -m experiments [compare|run|sweep|table|summary] ...``.
 
-``compare`` (the default) trains several optimizers on one task for every seed,
-writes one JSON-lines file per run, a figure (``compare.png``) and a Markdown
-table (``table.md``) of steps and seconds to the task's target and the final
-metric (mean +- std over seeds). ``run`` trains one optimizer (the first given).
-``sweep`` tries each optimizer's grid on a validation split and writes the
-chosen settings to ``best.json``; ``compare`` and ``run`` use them when present
+``compare`` (the default: no mode, or options only) trains several optimizers
+on one task for every seed, writes one JSON-lines file per run, a figure
+(``compare.png``) and a Markdown table (``table.md``) of steps and seconds to
+the task's target and the final metric (mean +- std over seeds), all in
+``OUT/TASK/``. ``run`` trains one optimizer and writes its files to
+``OUT/TASK/run/``, which ``table`` and ``summary`` never read. ``sweep`` tries
+each optimizer's grid on a validation split and writes the chosen settings to
+``OUT/TASK/best.json``; ``compare`` and ``run`` use them when present
 (``--settings``), the defaults otherwise. ``table`` rebuilds the figure and
-``table.md`` from the results files of an earlier ``compare`` (no training).
-Everything goes to ``OUT/TASK/``. ``summary`` gathers the ``compare`` results of
-several tasks (``--tasks``) into ``OUT/summary.md`` and, with ``--readme``,
-into that file between its experiments-table markers.
+``table.md`` from the results files of an earlier ``compare`` (no training),
+and refuses results made with different steps or evaluations. ``summary``
+gathers the ``compare`` results of several tasks (``--tasks``) into
+``OUT/summary.md`` and, with ``--readme``, into that file between its
+experiments-table markers.
+
+Arguments are checked before anything trains or is written (exit status 2 and
+a message otherwise), and every file is written whole or not at all.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from experiments import optimizers, tasks
+from experiments import files, optimizers, tasks
 from experiments.plots import plot_runs
 from experiments.report import markdown_table, summary_table
 from experiments.sweep import sweep
 from experiments.train import train
 
+MODES = ("compare", "run", "sweep", "table", "summary")
+DEFAULT_MODE = "compare"
 DEFAULT_OPTIMIZERS = ["sgd", "adamw", "kfac"]
+RUN_OPTIMIZER = "sgd"
+RUN_FOLDER = "run"  # run mode's results, apart from compare's
 SUMMARY_TASKS = ("mnist1d", "resnet", "autoencoder", "charlm")
+SEED_LIMIT = 2**32  # seeds are 0 .. 2**32 - 1
 BEGIN = "<!-- experiments table: written by python -m experiments summary -->"
 END = "<!-- end of experiments table -->"
 
+Runs = dict[str, list[list[dict[str, Any]]]]
 
-def parse(argv: list[str] | None) -> argparse.Namespace:
-  """The command-line arguments."""
-  parser = argparse.ArgumentParser(
-    prog="python -m experiments", description=__doc__.splitlines()[0]
-  )
-  parser.add_argument(
-    "mode",
-    nargs="?",
-    default="compare",
-    choices=["compare", "run", "sweep", "table", "summary"],
-  )
-  parser.add_argument("--task", default="mnist1d", choices=sorted(tasks.TASKS))
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+  """Shows each option's default after its help, a list as its words; none when unset."""
+
+  def _get_help_string(self, action: argparse.Action) -> str:
+    text = action.help or ""
+    default = action.default
+    if "%(default)" in text or default is None or default is False or default == argparse.SUPPRESS:
+      return text
+    shown = " ".join(map(str, default)) if isinstance(default, list) else "%(default)s"
+    return f"{text} (default: {shown})"
+
+
+def positive_int(text: str) -> int:
+  """An integer of at least 1 (an argparse ``type``)."""
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"{value} is not positive (at least 1)")
+  return value
+
+
+def seed(text: str) -> int:
+  """A random seed, ``0 <= seed < 2**32`` (an argparse ``type``)."""
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+  if not 0 <= value < SEED_LIMIT:
+    raise argparse.ArgumentTypeError(f"{value} is not a seed from 0 to {SEED_LIMIT - 1}")
+  return value
+
+
+def output_folder(text: str) -> Path:
+  """A folder to write into: absent (it is made) or a folder (an argparse ``type``)."""
+  path = Path(text)
+  if path.exists() and not path.is_dir():
+    raise argparse.ArgumentTypeError(f"{text} exists and is not a folder")
+  return path
+
+
+def settings_file(text: str) -> Path:
+  """A sweep's ``best.json`` that exists and holds its chosen settings (an argparse ``type``)."""
+  path = Path(text)
+  if not path.is_file():
+    raise argparse.ArgumentTypeError(f"no file {text}: run `sweep` first or leave it out")
+  try:
+    best = json.loads(path.read_text()).get("best")
+  except (ValueError, AttributeError):
+    best = None
+  if not isinstance(best, dict):
+    raise argparse.ArgumentTypeError(f"{text} is not a sweep's best.json (no 'best' settings)")
+  return path
+
+
+def has_markers(text: str) -> bool:
+  """Whether ``text`` holds the experiments-table markers, `BEGIN` before `END`."""
+  return BEGIN in text and END in text.split(BEGIN, 1)[1]
+
+
+def readme_file(text: str) -> Path:
+  """A file with the experiments-table markers (an argparse ``type``)."""
+  path = Path(text)
+  if not path.is_file():
+    raise argparse.ArgumentTypeError(f"no file {text}")
+  if not has_markers(path.read_text()):
+    raise argparse.ArgumentTypeError(f"{text} has no experiments-table markers {BEGIN} ... {END}")
+  return path
+
+
+class Distinct(argparse.Action):
+  """Stores a list of values, refusing one given twice."""
+
+  def __call__(
+    self,
+    parser: argparse.ArgumentParser,
+    namespace: argparse.Namespace,
+    values: Any,
+    option_string: str | None = None,
+  ) -> None:
+    twice = sorted({str(v) for v in values if list(values).count(v) > 1})
+    if twice:
+      parser.error(f"argument {option_string}: given more than once: {' '.join(twice)}")
+    setattr(namespace, self.dest, list(values))
+
+
+def add_task(parser: argparse.ArgumentParser) -> None:
+  """``--task``."""
+  parser.add_argument("--task", default="mnist1d", choices=sorted(tasks.TASKS), help="the task")
+
+
+def add_optimizers(
+  parser: argparse.ArgumentParser, default: list[str] | None, text: str, unset: str = ""
+) -> None:
+  """``--optimizers``: one or more distinct names (``unset``: what no ``--optimizers`` means)."""
+  names = sorted(optimizers.DEFAULTS)
   parser.add_argument(
     "--optimizers",
     nargs="+",
-    default=None,
-    choices=sorted(optimizers.DEFAULTS),
-    help=(
-      f"optimizers to compare or sweep (default: {' '.join(DEFAULT_OPTIMIZERS)}); the first "
-      "one only in run mode; in summary mode, default: every one with results for the seeds"
-    ),
+    action=Distinct,
+    default=default,
+    choices=names,
+    metavar="NAME",
+    help=f"{text}; any of {', '.join(names)}" + (f" (default: {unset})" if unset else ""),
   )
+
+
+def add_seeds(parser: argparse.ArgumentParser, text: str = "seeds, each trained in turn") -> None:
+  """``--seeds``: one or more distinct seeds."""
   parser.add_argument(
-    "--steps",
-    type=int,
-    default=None,
-    help="training steps (default: the task's steps, or its sweep budget in sweep mode)",
+    "--seeds", type=seed, nargs="+", action=Distinct, default=[0], metavar="SEED", help=text
   )
+
+
+def add_training(parser: argparse.ArgumentParser, steps: str) -> None:
+  """``--steps`` and ``--eval-every``."""
+  parser.add_argument("--steps", type=positive_int, default=None, help=f"training steps ({steps})")
   parser.add_argument(
-    "--seeds", type=int, nargs="+", default=[0], help="seeds (sweep mode: the first)"
+    "--eval-every",
+    type=positive_int,
+    default=10,
+    metavar="STEPS",
+    help="steps between evaluations (not timed); the last step is always evaluated",
   )
-  parser.add_argument(
-    "--eval-every", type=int, default=10, help="steps between evaluations (not timed)"
-  )
-  parser.add_argument("--out", type=Path, default=Path("results"))
+
+
+def add_progress(parser: argparse.ArgumentParser) -> None:
+  """``--no-progress``."""
+  parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+
+
+def add_out(parser: argparse.ArgumentParser, text: str) -> None:
+  """``--out``."""
+  parser.add_argument("--out", type=output_folder, default=Path("results"), help=text)
+
+
+def add_settings(parser: argparse.ArgumentParser) -> None:
+  """``--settings``."""
   parser.add_argument(
     "--settings",
-    type=Path,
+    type=settings_file,
     default=None,
-    help="a sweep's best.json (default: OUT/TASK/best.json when it exists)",
+    help="a sweep's best.json (default: OUT/TASK/best.json when it exists, else the defaults)",
   )
-  parser.add_argument(
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+  """The parser, with one subcommand per mode, each with its own options; and those by mode."""
+  top = argparse.ArgumentParser(
+    prog="python -m experiments",
+    description="Trains and compares optimizers (K-FAC, SGD, AdamW) on small tasks.",
+    epilog=f"Without a mode (no arguments, or options only) it runs `{DEFAULT_MODE}`. "
+    "`python -m experiments MODE --help` lists a mode's options.",
+    formatter_class=HelpFormatter,
+  )
+  modes = top.add_subparsers(dest="mode", metavar="MODE", title="modes", required=True)
+
+  by_mode: dict[str, argparse.ArgumentParser] = {}
+
+  def mode(name: str, summary: str, description: str) -> argparse.ArgumentParser:
+    by_mode[name] = modes.add_parser(
+      name, help=summary, description=description, formatter_class=HelpFormatter
+    )
+    return by_mode[name]
+
+  compare = mode(
+    "compare",
+    "train several optimizers on one task, seed by seed (the default)",
+    "Trains every optimizer for every seed (seed by seed, the optimizers in turn) and writes "
+    "OUT/TASK/OPTIMIZER-seedS.jsonl, compare.png and table.md.",
+  )
+  add_task(compare)
+  add_optimizers(compare, list(DEFAULT_OPTIMIZERS), "the optimizers to compare")
+  add_training(compare, "default: the task's")
+  add_seeds(compare)
+  add_out(compare, "results folder; files go to OUT/TASK/")
+  add_settings(compare)
+  add_progress(compare)
+
+  run = mode(
+    "run",
+    "train one optimizer on one task",
+    f"Trains one optimizer for every seed and writes its results to OUT/TASK/{RUN_FOLDER}/ "
+    "(a JSON-lines file per seed and a figure), apart from compare's results: table and "
+    "summary never read them.",
+  )
+  add_task(run)
+  run.add_argument(
+    "--optimizer",
+    "--optimizers",
+    dest="optimizer",
+    default=RUN_OPTIMIZER,
+    choices=sorted(optimizers.DEFAULTS),
+    metavar="NAME",
+    help=f"the optimizer; any of {', '.join(sorted(optimizers.DEFAULTS))}",
+  )
+  add_training(run, "default: the task's")
+  add_seeds(run)
+  add_out(run, f"results folder; files go to OUT/TASK/{RUN_FOLDER}/")
+  add_settings(run)
+  add_progress(run)
+
+  sweep_parser = mode(
+    "sweep",
+    "choose each optimizer's settings on a validation split",
+    "Trains each optimizer's grid on the training set less a validation split and writes the "
+    "chosen settings to OUT/TASK/best.json (merged with earlier sweeps), sweep.md and "
+    "sweep/*.jsonl.",
+  )
+  add_task(sweep_parser)
+  add_optimizers(sweep_parser, list(DEFAULT_OPTIMIZERS), "the optimizers to sweep")
+  add_training(sweep_parser, "default: the task's sweep budget")
+  sweep_parser.add_argument("--seed", type=seed, default=0, help="the seed of every trial")
+  add_out(sweep_parser, "results folder; files go to OUT/TASK/")
+  add_progress(sweep_parser)
+
+  table = mode(
+    "table",
+    "rebuild table.md and compare.png from compare's results",
+    "Reads OUT/TASK/OPTIMIZER-seedS.jsonl of an earlier compare (no training) and writes "
+    "table.md and compare.png; refuses results made with different steps or evaluations.",
+  )
+  add_task(table)
+  add_optimizers(table, list(DEFAULT_OPTIMIZERS), "the optimizers in the table")
+  add_seeds(table, "the seeds whose results are read")
+  add_out(table, "results folder; files are read from and written to OUT/TASK/")
+
+  summary = mode(
+    "summary",
+    "gather several tasks' compare results into one table",
+    "Reads the compare results of each task and writes OUT/summary.md; with --readme, also "
+    "replaces that file's experiments table (between its markers).",
+  )
+  summary.add_argument(
     "--tasks",
     nargs="+",
+    action=Distinct,
     default=list(SUMMARY_TASKS),
     choices=sorted(tasks.TASKS),
-    help="summary mode: the tasks to gather",
+    metavar="TASK",
+    help=f"the tasks to gather; any of {', '.join(sorted(tasks.TASKS))}",
   )
-  parser.add_argument(
+  add_optimizers(
+    summary, None, "the optimizers in the table", "every one with results for the seeds"
+  )
+  add_seeds(summary, "the seeds whose results are read")
+  add_out(summary, "results folder; reads OUT/TASK/, writes OUT/summary.md")
+  summary.add_argument(
     "--readme",
-    type=Path,
+    type=readme_file,
     default=None,
-    help="summary mode: a file whose experiments table (between its markers) is replaced",
+    help=f"a file whose experiments table (between {BEGIN} and {END}) is replaced",
   )
-  parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
-  return parser.parse_args(argv)
+  return top, by_mode
 
 
-def main(argv: list[str] | None = None) -> None:
+def with_mode(argv: Sequence[str]) -> list[str]:
+  """``argv`` with the default mode in front when it names none (empty, or options first)."""
+  argv = list(argv)
+  if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+    return [DEFAULT_MODE, *argv]
+  return argv
+
+
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+  """The command-line arguments (``sys.argv[1:]`` when None); exits with status 2 if invalid.
+
+  An option the mode does not take is reported with that mode's usage.
+  """
+  top, by_mode = build_parser()
+  args, unknown = top.parse_known_args(with_mode(sys.argv[1:] if argv is None else argv))
+  if unknown:
+    by_mode[args.mode].error(
+      f"unrecognized arguments: {' '.join(unknown)} "
+      f"(`python -m experiments {args.mode} --help` lists its options)"
+    )
+  return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
   """Runs the mode the arguments name."""
   args = parse(argv)
   if args.mode == "summary":
     summarise(args)
     return
-  args.optimizers = args.optimizers or DEFAULT_OPTIMIZERS
   task = tasks.TASKS[args.task]()
-  out = args.out / task.name
-  out.mkdir(parents=True, exist_ok=True)
-  if args.mode == "sweep":
-    steps = args.steps or task.sweep_steps
-    summary = sweep(
-      task, args.optimizers, steps, args.seeds[0], args.eval_every, out, not args.no_progress
-    )
-    for name in args.optimizers:
-      print(f"{name}: {summary['best'][name]}")
-    print(f"results: {out}/best.json, {out}/sweep.md, {out}/sweep/*.jsonl")
-    return
+  handlers: dict[str, Callable[[tasks.Task, argparse.Namespace, Path], None]] = {
+    "compare": compare_mode,
+    "run": run_mode,
+    "sweep": sweep_mode,
+    "table": table_mode,
+  }
+  handlers[args.mode](task, args, args.out / task.name)
 
-  names = args.optimizers if args.mode in ("compare", "table") else args.optimizers[:1]
-  if args.mode == "table":
-    runs = read_runs(out, names, args.seeds)
-  else:
-    runs = train_all(task, names, args, out)
-  write_outputs(task, runs, out, args.mode)
+
+def compare_mode(task: tasks.Task, args: argparse.Namespace, folder: Path) -> None:
+  """Trains ``args.optimizers`` for every seed into ``folder``; writes the figure and table."""
+  best = optimizers.load_best(args.settings or folder / "best.json")
+  folder.mkdir(parents=True, exist_ok=True)
+  runs = train_all(task, args.optimizers, args, folder, best)
+  write_outputs(task, runs, folder, "compare")
+
+
+def run_mode(task: tasks.Task, args: argparse.Namespace, folder: Path) -> None:
+  """Trains ``args.optimizer`` for every seed into ``folder/run``; writes its figure."""
+  best = optimizers.load_best(args.settings or folder / "best.json")
+  out = folder / RUN_FOLDER
+  out.mkdir(parents=True, exist_ok=True)
+  runs = train_all(task, [args.optimizer], args, out, best)
+  write_outputs(task, runs, out, "run")
+
+
+def sweep_mode(task: tasks.Task, args: argparse.Namespace, folder: Path) -> None:
+  """Sweeps ``args.optimizers`` and prints the chosen settings."""
+  folder.mkdir(parents=True, exist_ok=True)
+  steps = args.steps or task.sweep_steps
+  summary = sweep(
+    task, args.optimizers, steps, args.seed, args.eval_every, folder, not args.no_progress
+  )
+  for name in args.optimizers:
+    print(f"{name}: {summary['best'][name]}")
+  print(f"results: {folder}/best.json, {folder}/sweep.md, {folder}/sweep/*.jsonl")
+
+
+def table_mode(task: tasks.Task, args: argparse.Namespace, folder: Path) -> None:
+  """Rebuilds the figure and ``table.md`` from an earlier compare's results."""
+  write_outputs(task, read_runs(folder, args.optimizers, args.seeds), folder, "table")
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
@@ -125,35 +384,69 @@ def read_records(path: Path) -> list[dict[str, Any]]:
   return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def read_runs(out: Path, names: list[str], seeds: list[int]) -> dict[str, list[list[Any]]]:
-  """Every optimizer's records, one list per seed, from ``out``."""
-  return {n: [read_records(out / f"{n}-seed{s}.jsonl") for s in seeds] for n in names}
+def schedule(records: Sequence[dict[str, Any]]) -> tuple[int, ...]:
+  """The steps a run was evaluated at (its last: the steps it trained)."""
+  return tuple(r["step"] for r in records)
+
+
+def mixed_schedules(runs: Runs, seeds: Sequence[int]) -> str | None:
+  """Which runs were evaluated at which steps, when they differ; None when all agree."""
+  groups: dict[tuple[int, ...], list[str]] = {}
+  for name, per_seed in runs.items():
+    for s, records in zip(seeds, per_seed):
+      groups.setdefault(schedule(records), []).append(f"{name} seed {s}")
+  if len(groups) < 2:
+    return None
+  return "; ".join(
+    f"{', '.join(labels)}: {steps[-1]} steps, {len(steps)} evaluations"
+    for steps, labels in groups.items()
+  )
+
+
+def read_runs(out: Path, names: list[str], seeds: list[int]) -> Runs:
+  """Every optimizer's records, one list per seed, from ``out``.
+
+  Raises `SystemExit` when a file is missing or when the runs were not
+  trained for the same steps and evaluated at the same steps (a table of
+  them would mix settings under one header).
+  """
+  runs = {n: [read_records(out / f"{n}-seed{s}.jsonl") for s in seeds] for n in names}
+  mixed = mixed_schedules(runs, seeds)
+  if mixed is not None:
+    raise SystemExit(
+      f"the results in {out} were made with different steps or evaluations ({mixed}): "
+      "run `compare` again with the same settings for every optimizer and seed"
+    )
+  return runs
 
 
 def train_all(
-  task: tasks.Task, names: list[str], args: argparse.Namespace, out: Path
-) -> dict[str, list[list[dict[str, Any]]]]:
-  """Trains every optimizer for every seed, with the sweep's settings when there are any.
+  task: tasks.Task,
+  names: list[str],
+  args: argparse.Namespace,
+  out: Path,
+  best: dict[str, dict[str, Any]],
+) -> Runs:
+  """Trains every optimizer for every seed, with the sweep's settings (``best``) when there are any.
 
   Seed by seed, every optimizer in turn: the machine's slow spells fall on all
   optimizers alike rather than on whichever ran through them.
   """
   steps = args.steps or task.steps
-  best = optimizers.load_best(args.settings or out / "best.json")
   chosen = {name: optimizers.choose(name, best) for name in names}
-  runs: dict[str, list[list[dict[str, Any]]]] = {name: [] for name in names}
-  for seed in args.seeds:
+  runs: Runs = {name: [] for name in names}
+  for s in args.seeds:
     for name, (opt, source) in chosen.items():
-      path = out / f"{name}-seed{seed}.jsonl"
+      path = out / f"{name}-seed{s}.jsonl"
       extra = {"settings_from": source}
       records = train(
-        task, opt, steps, seed, args.eval_every, path, not args.no_progress, extra_config=extra
+        task, opt, steps, s, args.eval_every, path, not args.no_progress, extra_config=extra
       )
       runs[name].append(records)
   return runs
 
 
-def settings_source(runs: dict[str, list[list[dict[str, Any]]]]) -> str:
+def settings_source(runs: Runs) -> str:
   """Which optimizers ran with a sweep's settings and which with the defaults."""
   by_source: dict[str, list[str]] = {}
   for name, seeds in runs.items():
@@ -162,9 +455,7 @@ def settings_source(runs: dict[str, list[list[dict[str, Any]]]]) -> str:
   return "; ".join(f"{labels.get(k, k)} for {', '.join(v)}" for k, v in by_source.items())
 
 
-def write_outputs(
-  task: tasks.Task, runs: dict[str, list[list[dict[str, Any]]]], out: Path, mode: str
-) -> None:
+def write_outputs(task: tasks.Task, runs: Runs, out: Path, mode: str) -> None:
   """The figure, and in compare and table modes ``table.md``; prints the table."""
   names = list(runs)
   figure = out / (f"{names[0]}.png" if mode == "run" else "compare.png")
@@ -173,9 +464,16 @@ def write_outputs(
   print(table)
   written = f"results: {out}/*.jsonl, figure: {figure}"
   if mode != "run":
-    (out / "table.md").write_text(table)
+    files.write_text(out / "table.md", table)
     written += f", table: {out}/table.md"
   print(written)
+
+
+def replace_table(text: str, table: str) -> str:
+  """``text`` with what lies between its experiments-table markers replaced by ``table``."""
+  head, rest = text.split(BEGIN, 1)
+  _, tail = rest.split(END, 1)
+  return f"{head}{BEGIN}\n{table}\n{END}{tail}"
 
 
 def summarise(args: argparse.Namespace) -> None:
@@ -189,14 +487,12 @@ def summarise(args: argparse.Namespace) -> None:
     results.append((tasks.TASKS[name](), read_runs(out, names, args.seeds)))
   table = summary_table(results)
   print(table)
-  (args.out / "summary.md").write_text(table + "\n")
+  files.write_text(args.out / "summary.md", table + "\n")
   if args.readme is not None:
     text = args.readme.read_text()
-    if BEGIN not in text or END not in text:
+    if not has_markers(text):
       raise SystemExit(f"{args.readme} has no experiments-table markers {BEGIN!r} ... {END!r}")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    args.readme.write_text(f"{head}{BEGIN}\n{table}\n{END}{tail}")
+    files.write_text(args.readme, replace_table(text, table))
     print(f"table written to {args.readme}")
 
 

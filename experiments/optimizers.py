@@ -1,6 +1,8 @@
 """The optimizers compared, each an Optax transformation built for one task.
 
-Every optimizer's learning rate decays to 0 on a cosine over the run.
+Every optimizer's learning rate decays to 0 on a cosine over the run, and every
+one is wrapped in ``optax.apply_if_finite``: a step with a NaN or Inf gradient
+is skipped whole.
 
 * ``sgd``: SGD with momentum 0.9.
 * ``adam``: Adam (kept for the command line; ``adamw`` is the baseline).
@@ -25,6 +27,9 @@ import optax
 import kaisa_jax
 
 WEIGHT_DECAY = 1e-4
+# Every optimizer skips a step whose gradient is not finite (the whole step, K-FAC's
+# state included), as the README recommends; this many in a row let NaN through.
+MAX_NONFINITE_STEPS = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,8 +116,10 @@ def build(
     "adamw": lambda: optax.adamw(schedule, weight_decay=WEIGHT_DECAY),
   }
   if opt.name in first_order:
-    return first_order[opt.name]()
-  if is_kfac(opt.name):
+    tx = first_order[opt.name]()
+  elif is_kfac(opt.name):
     then = first_order[KFAC_THEN[opt.name]]()
-    return optax.chain(kaisa_jax.kfac(layers, lr=schedule, **opt.kfac), then)
-  raise ValueError(f"unknown optimizer {opt.name!r}; choose from {sorted(DEFAULTS)}")
+    tx = optax.chain(kaisa_jax.kfac(layers, lr=schedule, **opt.kfac), then)
+  else:
+    raise ValueError(f"unknown optimizer {opt.name!r}; choose from {sorted(DEFAULTS)}")
+  return optax.apply_if_finite(tx, MAX_NONFINITE_STEPS)

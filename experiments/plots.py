@@ -11,6 +11,8 @@ import numpy as np
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from experiments.files import atomic_open
+
 
 def curves(
   seeds: list[list[dict[str, Any]]], key: str
@@ -66,5 +68,8 @@ def plot_runs(
     ax.legend()
   fig.tight_layout()
   path.parent.mkdir(parents=True, exist_ok=True)
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  try:
+    with atomic_open(path, "wb") as f:
+      fig.savefig(f, format=path.suffix.lstrip(".") or "png", dpi=110)
+  finally:
+    plt.close(fig)

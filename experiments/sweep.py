@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments import optimizers
+from experiments.files import write_text
 from experiments.report import sweep_table
 from experiments.tasks import Task, with_validation
 from experiments.train import train
@@ -83,6 +84,6 @@ def sweep(
     "criterion": f"final validation metric ({'higher' if task.higher_is_better else 'lower'} is better)",
   }
   out.mkdir(parents=True, exist_ok=True)
-  best_path.write_text(json.dumps(summary, indent=2) + "\n")
-  (out / "sweep.md").write_text(sweep_table(val_task, summary["trials"], steps))
+  write_text(best_path, json.dumps(summary, indent=2) + "\n")
+  write_text(out / "sweep.md", sweep_table(val_task, summary["trials"], steps))
   return summary

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import platform
@@ -17,6 +18,7 @@ import optax
 from tqdm.auto import tqdm
 
 import kaisa_jax
+from experiments.files import atomic_open
 from experiments.optimizers import Optimizer, build, is_kfac
 from experiments.tasks import Task
 
@@ -89,14 +91,21 @@ def train(
 ) -> list[dict[str, Any]]:
   """Trains and returns one record per evaluation (also written as JSON lines to ``out``).
 
+  ``out`` is written under a temporary name in its folder (flushed at every
+  evaluation) and takes its final name only when training ends; a failing or
+  interrupted run leaves no partial file and an earlier ``out`` as it was.
+
   Each record holds ``step``, ``wall_seconds`` (training steps only: compilation
   and evaluation excluded), ``train_loss`` (on the training set, or at most
   `TRAIN_LOSS_EXAMPLES` of it; evaluation mode), ``metric`` (on the held-out
   set), K-FAC's health counters, ``config`` (task, seed, optimizer settings and
   ``extra_config``) and ``versions``.
   The model state (BatchNorm's ``batch_stats``) is carried from step to step.
-  Raises `FloatingPointError` when the training loss becomes NaN or infinite.
+  Raises `FloatingPointError` when the training loss becomes NaN or infinite,
+  `ValueError` unless ``steps`` and ``eval_every`` are positive.
   """
+  if steps < 1 or eval_every < 1:
+    raise ValueError(f"steps ({steps}) and eval_every ({eval_every}) must be positive")
   x, y = (jnp.asarray(a) for a in task.train)
   x_test, y_test = (jnp.asarray(a) for a in task.test)
   params, state = task.init(jax.random.key(seed), x[:1])
@@ -126,25 +135,26 @@ def train(
   step.lower(params, state, opt_state, x[first], y[first]).compile()
   records: list[dict[str, Any]] = []
   wall = 0.0
-  sink = out.open("w") if out is not None else None
+  sink = atomic_open(out) if out is not None else contextlib.nullcontext()
   bar = tqdm(total=steps, desc=f"{task.name}/{opt.name}/seed{seed}", disable=not progress)
 
-  def record(k: int) -> None:
+  def record(k: int, file: Any) -> None:
     loss, metric = (float(v) for v in evaluate(params, state))
     rec = {"step": k, "wall_seconds": wall, "train_loss": loss, "metric": metric}
+    rec["skipped_steps"] = int(opt_state.total_notfinite)  # non-finite gradients
     if is_kfac(opt.name):  # K-FAC's health counters
-      kfac_state = opt_state[0]
+      kfac_state = opt_state.inner_state[0]
       rec["skipped_factor_updates"] = int(kfac_state.skipped_factor_updates)
       rec["failed_decompositions"] = int(kfac_state.failed_decompositions)
     rec |= meta
     records.append(rec)
-    if sink is not None:
-      sink.write(json.dumps(rec) + "\n")
-      sink.flush()
+    if file is not None:
+      file.write(json.dumps(rec) + "\n")
+      file.flush()
     bar.set_postfix(loss=f"{loss:.4f}", metric=f"{metric:.4f}")
 
-  try:
-    record(0)
+  with bar, sink as file:
+    record(0, file)
     idx = first
     for k in range(1, steps + 1):
       start = time.perf_counter()
@@ -156,9 +166,5 @@ def train(
       idx = next(index)
       bar.update(1)
       if k % eval_every == 0 or k == steps:
-        record(k)
-  finally:
-    bar.close()
-    if sink is not None:
-      sink.close()
+        record(k, file)
   return records

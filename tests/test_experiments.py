@@ -1,7 +1,10 @@
 """Smoke tests of the experiments: a few steps per task and optimizer on tiny data.
 
 They check the results files' fields, the figures, the table, the sweep's
-best.json and that a run is reproducible bit for bit (wall-clock aside).
+best.json and that a run is reproducible bit for bit (wall-clock aside); that
+``run`` keeps its results apart from ``compare``'s, that the command line
+refuses bad arguments before training and that files are written whole or not
+at all.
 """
 
 from __future__ import annotations
@@ -9,13 +12,14 @@ from __future__ import annotations
 import functools
 import json
 import pathlib
+import re
 import string
 
 import numpy as np
 import pytest
 
 from experiments import __main__ as cli
-from experiments import optimizers, report, tasks
+from experiments import files, optimizers, report, tasks
 from experiments.train import train
 
 FIELDS = {"step", "wall_seconds", "train_loss", "metric", "config", "versions"}
@@ -64,6 +68,7 @@ def test_compare_writes_records_figure_table_reproducibly(task, small_tasks, tmp
       assert r["config"]["optimizer"] == name and r["config"]["settings_from"] == "default"
       assert {"jax", "flax", "optax", "kaisa_jax", "python"} <= set(r["versions"])
     assert records[-1]["wall_seconds"] > 0
+    assert records[-1]["skipped_steps"] == 0  # every optimizer runs under apply_if_finite
     if optimizers.is_kfac(name):
       assert records[-1]["skipped_factor_updates"] == 0
       assert records[-1]["failed_decompositions"] == 0
@@ -96,11 +101,12 @@ def test_sweep_chooses_on_validation_and_compare_uses_it(small_tasks, monkeypatc
   assert trial["config"]["metric_name"] == "validation accuracy"
   assert (out / "sweep.md").exists()
 
-  cli.main(["run", *common, "--steps", "2", "--out", str(tmp_path), "--no-progress"])
-  record = read(out / "sgd-seed0.jsonl")[-1]
+  run_argv = ["run", "--optimizers", "sgd", "--eval-every", "2", "--steps", "2"]
+  cli.main([*run_argv, "--out", str(tmp_path), "--no-progress"])
+  record = read(out / "run" / "sgd-seed0.jsonl")[-1]
   assert record["config"]["settings_from"] == "sweep"
   assert record["config"]["lr"] == summary["best"]["sgd"]["lr"]
-  assert (out / "sgd.png").exists()
+  assert (out / "run" / "sgd.png").exists()
 
 
 def test_compare_takes_the_optimizers_in_turns_seed_by_seed(monkeypatch, tmp_path):
@@ -112,7 +118,7 @@ def test_compare_takes_the_optimizers_in_turns_seed_by_seed(monkeypatch, tmp_pat
 
   monkeypatch.setattr(cli, "train", fake_train)
   args = cli.parse(["compare", "--seeds", "0", "1", "--steps", "5", "--out", str(tmp_path)])
-  runs = cli.train_all(small("mnist1d"), ["sgd", "kfac"], args, tmp_path)
+  runs = cli.train_all(small("mnist1d"), ["sgd", "kfac"], args, tmp_path, {})
   assert calls == [("sgd", 0), ("kfac", 0), ("sgd", 1), ("kfac", 1)]
   assert [[r[0]["seed"] for r in runs[n]] for n in ("sgd", "kfac")] == [[0, 1], [0, 1]]
 
@@ -223,3 +229,149 @@ def test_summary_gathers_tasks_into_the_readme(small_tasks, tmp_path):
   assert "mnist1d: K-FAC 1.50x the time of AdamW to the target, 1.00x the steps" in text
   assert "not met, 1 of 3" in text
   assert (tmp_path / "summary.md").read_text().strip() in text
+
+
+def test_run_keeps_its_results_apart_from_compare(small_tasks, tmp_path):
+  common = ["--task", "mnist1d", "--out", str(tmp_path), "--no-progress"]
+  compare = ["compare", "--optimizers", "sgd", "adamw", "--steps", "4", "--eval-every", "2"]
+  cli.main([*compare, *common])
+  out = tmp_path / "mnist1d"
+  table = (out / "table.md").read_text()
+  # A run with other settings, then the table again: the same table as after compare.
+  cli.main(["run", "--optimizers", "adamw", "--steps", "2", "--eval-every", "1", *common])
+  (out / "table.md").unlink()
+  cli.main(["table", "--optimizers", "sgd", "adamw", "--task", "mnist1d", "--out", str(tmp_path)])
+  assert (out / "table.md").read_text() == table
+  assert [r["step"] for r in read(out / "adamw-seed0.jsonl")] == [0, 2, 4]
+  assert [r["step"] for r in read(out / "run" / "adamw-seed0.jsonl")] == [0, 1, 2]
+  assert (out / "run" / "adamw.png").exists()
+
+
+def test_table_refuses_results_made_with_different_steps(small_tasks, tmp_path):
+  out = tmp_path / "mnist1d"
+  out.mkdir()
+  made_up = {"sgd": run([0.1, 0.5, 0.9], [0, 1, 2], 0), "kfac": run([0.1, 0.95], [0, 3], 0)}
+  for name, records in made_up.items():
+    lines = [json.dumps(r | {"train_loss": 1.0}) + "\n" for r in records]
+    (out / f"{name}-seed0.jsonl").write_text("".join(lines))
+  with pytest.raises(SystemExit, match="different steps or evaluations") as raised:
+    cli.main(["table", "--optimizers", "sgd", "kfac", "--out", str(tmp_path)])
+  assert "sgd seed 0: 20 steps, 3 evaluations; kfac seed 0: 10 steps, 2 evaluations" in str(
+    raised.value
+  )
+  assert sorted(p.name for p in out.iterdir()) == ["kfac-seed0.jsonl", "sgd-seed0.jsonl"]
+
+
+BAD_ARGUMENTS = [
+  (["--steps", "-5"], "argument --steps: -5 is not positive"),
+  (["compare", "--steps", "0"], "argument --steps: 0 is not positive"),
+  (["--eval-every", "0"], "argument --eval-every: 0 is not positive"),
+  (["run", "--eval-every", "-1"], "argument --eval-every: -1 is not positive"),
+  (["sweep", "--steps", "0"], "argument --steps: 0 is not positive"),
+  (["compare", "--steps", "ten"], "argument --steps: 'ten' is not an integer"),
+  (["compare", "--seeds", "0", "1", "0"], "argument --seeds: given more than once: 0"),
+  (["run", "--seeds", "-1"], "argument --seeds: -1 is not a seed"),
+  (["sweep", "--seed", str(2**32)], "is not a seed from 0 to 4294967295"),
+  (["compare", "--optimizers", "kfac", "sgd", "kfac"], "given more than once: kfac"),
+  (["run", "--optimizers", "sgd", "kfac"], "unrecognized arguments: kfac"),
+  (["table", "--steps", "3"], "unrecognized arguments: --steps 3"),
+  (["sweep", "--seeds", "0", "1"], "unrecognized arguments: --seeds 0 1"),
+  (["summary", "--tasks", "mnist1d", "mnist1d"], "given more than once: mnist1d"),
+  (["compare", "--settings", "{tmp}/missing.json"], "no file"),
+  (["run", "--settings", "{tmp}/notes.txt"], "is not a sweep's best.json"),
+  (["summary", "--readme", "{tmp}/notes.txt"], "has no experiments-table markers"),
+  (["compare", "--out", "{tmp}/notes.txt"], "exists and is not a folder"),
+  (["comapre"], "invalid choice: 'comapre'"),
+]
+
+
+@pytest.mark.parametrize(("argv", "message"), BAD_ARGUMENTS)
+def test_bad_arguments_exit_2_before_training_or_writing(
+  argv, message, small_tasks, monkeypatch, tmp_path, capsys
+):
+  def no_training(*args, **kwargs):
+    raise AssertionError("trained despite bad arguments")
+
+  monkeypatch.setattr(cli, "train", no_training)
+  monkeypatch.setattr(cli, "sweep", no_training)
+  (tmp_path / "notes.txt").write_text("no markers here\n")
+  argv = [a.format(tmp=tmp_path) for a in argv]
+  out = [] if "--out" in argv else ["--out", str(tmp_path / "results")]
+  with pytest.raises(SystemExit) as raised:
+    cli.main([*argv, *out])
+  assert raised.value.code == 2
+  assert message in capsys.readouterr().err
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_no_mode_is_compare_with_the_defaults():
+  args = cli.parse([])
+  assert args.mode == "compare" and args.task == "mnist1d"
+  assert args.optimizers == ["sgd", "adamw", "kfac"] and args.seeds == [0]
+  assert (args.steps, args.eval_every, args.out, args.settings) == (
+    None,
+    10,
+    pathlib.Path("results"),
+    None,
+  )
+  args = cli.parse(["--task", "digits", "--seeds", "1", "2", "--no-progress"])
+  assert (args.mode, args.task, args.seeds, args.no_progress) == ("compare", "digits", [1, 2], True)
+  assert cli.parse(["run", "--optimizers", "kfac"]).optimizer == "kfac"
+
+
+HELP = {  # per mode: options its help lists, options it must not
+  "compare": (
+    ["--optimizers", "--steps", "--eval-every", "--seeds", "--settings"],
+    ["--tasks", "--readme", "--seed"],
+  ),
+  "run": (
+    ["--optimizer", "--steps", "--eval-every", "--seeds", "--settings"],
+    ["--tasks", "--readme", "--seed"],
+  ),
+  "sweep": (
+    ["--optimizers", "--steps", "--eval-every", "--seed"],
+    ["--seeds", "--settings", "--tasks", "--readme"],
+  ),
+  "table": (
+    ["--task", "--optimizers", "--seeds", "--out"],
+    ["--steps", "--eval-every", "--settings", "--no-progress", "--readme"],
+  ),
+  "summary": (
+    ["--tasks", "--optimizers", "--seeds", "--readme"],
+    ["--task", "--steps", "--eval-every", "--settings", "--no-progress"],
+  ),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(HELP))
+def test_each_mode_has_its_own_help_with_defaults(mode, capsys):
+  with pytest.raises(SystemExit) as raised:
+    cli.main([mode, "--help"])
+  assert raised.value.code == 0
+  text = capsys.readouterr().out
+  assert text.startswith(f"usage: python -m experiments {mode}")
+  present, absent = HELP[mode]
+  for option in present:
+    assert re.search(rf"{option}(?![\w-])", text), (mode, option)
+  for option in absent:
+    assert not re.search(rf"{option}(?![\w-])", text), (mode, option)
+  words = " ".join(text.split())  # the help as one line, whatever the terminal's width
+  assert "(default: results)" in words
+  if mode != "summary":
+    assert "(default: mnist1d)" in words
+
+
+def test_a_failing_run_leaves_no_partial_file(tmp_path):
+  path = tmp_path / "sgd-seed0.jsonl"
+  path.write_text("earlier\n")
+  with pytest.raises(FloatingPointError, match="diverged"):
+    train(small("mnist1d"), optimizers.Optimizer("sgd", 1e30), 5, 0, 1, path, progress=False)
+  assert path.read_text() == "earlier\n"
+  assert list(tmp_path.iterdir()) == [path]
+  # An interrupted write as well; a finished one replaces the file.
+  with pytest.raises(KeyboardInterrupt), files.atomic_open(path) as f:
+    f.write("half")
+    raise KeyboardInterrupt
+  assert path.read_text() == "earlier\n" and list(tmp_path.iterdir()) == [path]
+  files.write_text(path, "whole\n")
+  assert path.read_text() == "whole\n" and list(tmp_path.iterdir()) == [path]
