@@ -8,6 +8,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from distributed_setup import _local, build, relative_error
+from sklearn.datasets import load_digits
 
 import kaisa_jax
 from kaisa_jax import distribution, preconditioning
@@ -241,6 +242,69 @@ def test_rank_deficient_factors_stay_finite_at_tiny_damping(method):
     updates, state = kfac.update(grads, state, params, curvature=curvature)
     assert _finite(updates) and _finite(state)
   assert int(state.failed_decompositions) == 0
+
+
+def test_kl_clip_bounds_the_step_in_the_curvature_metric_at_tiny_damping():
+  """The clip gives ``lr^2 u^T (A (x) G + damping) u = kl_clip``, so ``|u|^2 <= kl_clip / (lr^2 damping)``.
+
+  Two examples of 64 inputs make rank-deficient factors; at damping 1e-7 the
+  step is then up to 1e3 long in directions the factors barely see, which is
+  why the loss can grow while the clip holds (the README's "What the KL clip
+  bounds"). The quadratic form is recomputed in float64 from the state's own
+  factors; float32 eigenvalues near zero leave it within 2 % of the clip.
+  """
+
+  class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(10)(nn.tanh(nn.Dense(64)(x)))
+
+  x, y = load_digits(return_X_y=True)
+  batch = (jnp.asarray(x[:2] / 16.0, jnp.float32), jnp.asarray(y[:2]))
+  model = MLP()
+  params = model.init(jax.random.key(0), batch[0])
+  grad_fn = kaisa_jax.value_and_grad(
+    lambda p, b: optax.softmax_cross_entropy_with_integer_labels(model.apply(p, b[0]), b[1]).mean()
+  )
+  damping, kl_clip, lr = 1e-7, 1e-3, 0.1
+  kfac = kaisa_jax.kfac(
+    grad_fn.layers(params, batch),
+    damping=damping,
+    kl_clip=kl_clip,
+    lr=lr,
+    factor_update_steps=1,
+    inv_update_steps=1,
+    max_cost_ratio=None,
+  )
+  sgd = optax.sgd(lr, momentum=0.9)
+
+  @jax.jit
+  def step(params, kfac_state, sgd_state):
+    _, grads, curvature = grad_fn(params, batch)
+    u, kfac_state = kfac.update(grads, kfac_state, params, curvature=curvature)
+    updates, sgd_state = sgd.update(u, sgd_state, params)
+    return optax.apply_updates(params, updates), kfac_state, sgd_state, u
+
+  kfac_state, sgd_state = kfac.init(params), sgd.init(params)
+  lengths = []
+  for _ in range(6):
+    params, kfac_state, sgd_state, u = step(params, kfac_state, sgd_state)
+    factors = kaisa_jax.layer_factors(kfac.plan, kfac_state)
+    quadratic, length = 0.0, 0.0
+    for name in ("Dense_0", "Dense_1"):
+      leaves = u["params"][name]
+      m = np.concatenate(
+        [np.asarray(leaves["kernel"], np.float64), np.asarray(leaves["bias"])[None]]
+      )
+      a, g = np.asarray(factors[name].a, np.float64), np.asarray(factors[name].g, np.float64)
+      quadratic += np.sum(m * (a @ m @ g)) + damping * np.sum(m * m)
+      length += np.sum(m * m)
+    np.testing.assert_allclose(lr**2 * quadratic, kl_clip, rtol=2e-2)
+    assert length <= kl_clip / (lr**2 * damping)
+    lengths.append(length)
+  assert (
+    max(lengths) > 1e3
+  )  # steps far longer than the gradient's: the clip holds, the step is long
 
 
 # ------------------------------------------------------------------------ low precision
