@@ -20,7 +20,6 @@ Run: ``python benchmarks/step_time.py [--quick]``.
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import sys
 import time
@@ -30,11 +29,10 @@ from pathlib import Path
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 import kaisa_jax
-from kaisa_jax import distribution, transform
+from kaisa_jax import distribution, projection, transform
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from experiments.tasks import MNIST1DCNN
@@ -76,25 +74,9 @@ MODELS = {
 }
 
 
-def lapack_flops(hlo: str) -> float:
-  """Flops of the LAPACK custom calls XLA's cost analysis leaves out."""
-  total = 0.0
-  for line in hlo.splitlines():
-    target = re.search(r'custom_call_target="([^"]+)"', line)
-    if not target or not any(k in target.group(1) for k in ("syevd", "potrf")):
-      continue
-    operand = re.search(r"= \(?\w+\[([\d,]+)\]", line)
-    dims = [int(d) for d in operand.group(1).split(",")]
-    n, batch = dims[-1], int(np.prod(dims[:-2]))
-    total += batch * (9.0 if "syevd" in target.group(1) else 1.0 / 3.0) * n**3
-  return total
-
-
 def flops(fn: Callable, *args) -> float:
-  compiled = jax.jit(fn).lower(*args).compile()
-  analysis = compiled.cost_analysis()
-  analysis = analysis[0] if isinstance(analysis, list) else analysis
-  return float(analysis["flops"]) + lapack_flops(compiled.as_text())
+  cost = projection.cost_of(fn, *args)
+  return cost.flops + cost.lapack_flops
 
 
 def seconds(fn: Callable, *args, repeats: int = 20) -> float:

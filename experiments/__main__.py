@@ -1,4 +1,4 @@
-"""Command line: ``python -m experiments [compare|run|sweep|table|summary] ...``.
+"""Command line: ``python -m experiments [compare|run|sweep|table|summary|scale|scale-summary] ...``.
 
 ``compare`` (the default: no mode, or options only) trains several optimizers
 on one task for every seed, writes one JSON-lines file per run, a figure
@@ -13,7 +13,11 @@ each optimizer's grid on a validation split and writes the chosen settings to
 and refuses results made with different steps or evaluations. ``summary``
 gathers the ``compare`` results of several tasks (``--tasks``) into
 ``OUT/summary.md`` and, with ``--readme``, into that file between its
-experiments-table markers.
+experiments-table markers. ``scale`` runs the batch-size scaling study of one
+task (`experiments.scale`: steps to target against the batch size, critical
+batch sizes) into ``OUT/TASK/scale/``; ``scale-summary`` gathers several
+tasks' studies into ``OUT/scale-summary.md`` and, with ``--readme``, between
+that file's scaling-table markers.
 
 Arguments are checked before anything trains or is written (exit status 2 and
 a message otherwise), and every file is written whole or not at all.
@@ -28,13 +32,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from experiments import files, optimizers, tasks
+from experiments import files, optimizers, scale, tasks
 from experiments.plots import plot_runs
 from experiments.report import markdown_table, summary_table
 from experiments.sweep import sweep
 from experiments.train import train
 
-MODES = ("compare", "run", "sweep", "table", "summary")
+MODES = ("compare", "run", "sweep", "table", "summary", "scale", "scale-summary")
 DEFAULT_MODE = "compare"
 DEFAULT_OPTIMIZERS = ["sgd", "adamw", "kfac"]
 RUN_OPTIMIZER = "sgd"
@@ -43,6 +47,9 @@ SUMMARY_TASKS = ("mnist1d", "resnet", "autoencoder", "charlm")
 SEED_LIMIT = 2**32  # seeds are 0 .. 2**32 - 1
 BEGIN = "<!-- experiments table: written by python -m experiments summary -->"
 END = "<!-- end of experiments table -->"
+SCALE_TASKS = ("mnist1d", "resnet", "autoencoder")
+SCALE_BEGIN = "<!-- scaling table: written by python -m experiments scale-summary -->"
+SCALE_END = "<!-- end of scaling table -->"
 
 Runs = dict[str, list[list[dict[str, Any]]]]
 
@@ -103,19 +110,27 @@ def settings_file(text: str) -> Path:
   return path
 
 
-def has_markers(text: str) -> bool:
-  """Whether ``text`` holds the experiments-table markers, `BEGIN` before `END`."""
-  return BEGIN in text and END in text.split(BEGIN, 1)[1]
+def has_markers(text: str, begin: str = BEGIN, end: str = END) -> bool:
+  """Whether ``text`` holds the markers ``begin`` before ``end`` (the experiments table's)."""
+  return begin in text and end in text.split(begin, 1)[1]
 
 
-def readme_file(text: str) -> Path:
-  """A file with the experiments-table markers (an argparse ``type``)."""
-  path = Path(text)
-  if not path.is_file():
-    raise argparse.ArgumentTypeError(f"no file {text}")
-  if not has_markers(path.read_text()):
-    raise argparse.ArgumentTypeError(f"{text} has no experiments-table markers {BEGIN} ... {END}")
-  return path
+def markers_file(begin: str, end: str, what: str) -> Callable[[str], Path]:
+  """An argparse ``type``: a file with the ``what`` markers ``begin`` ... ``end``."""
+
+  def check(text: str) -> Path:
+    path = Path(text)
+    if not path.is_file():
+      raise argparse.ArgumentTypeError(f"no file {text}")
+    if not has_markers(path.read_text(), begin, end):
+      raise argparse.ArgumentTypeError(f"{text} has no {what} markers {begin} ... {end}")
+    return path
+
+  return check
+
+
+readme_file = markers_file(BEGIN, END, "experiments-table")
+scale_readme_file = markers_file(SCALE_BEGIN, SCALE_END, "scaling-table")
 
 
 class Distinct(argparse.Action):
@@ -155,20 +170,30 @@ def add_optimizers(
   )
 
 
-def add_seeds(parser: argparse.ArgumentParser, text: str = "seeds, each trained in turn") -> None:
+def add_seeds(
+  parser: argparse.ArgumentParser,
+  text: str = "seeds, each trained in turn",
+  default: Sequence[int] = (0,),
+) -> None:
   """``--seeds``: one or more distinct seeds."""
   parser.add_argument(
-    "--seeds", type=seed, nargs="+", action=Distinct, default=[0], metavar="SEED", help=text
+    "--seeds",
+    type=seed,
+    nargs="+",
+    action=Distinct,
+    default=list(default),
+    metavar="SEED",
+    help=text,
   )
 
 
-def add_training(parser: argparse.ArgumentParser, steps: str) -> None:
+def add_training(parser: argparse.ArgumentParser, steps: str, eval_every: int = 10) -> None:
   """``--steps`` and ``--eval-every``."""
   parser.add_argument("--steps", type=positive_int, default=None, help=f"training steps ({steps})")
   parser.add_argument(
     "--eval-every",
     type=positive_int,
-    default=10,
+    default=eval_every,
     metavar="STEPS",
     help="steps between evaluations (not timed); the last step is always evaluated",
   )
@@ -301,7 +326,82 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     default=None,
     help=f"a file whose experiments table (between {BEGIN} and {END}) is replaced",
   )
+  add_scale_modes(mode)
   return top, by_mode
+
+
+def protocol_text(field: Callable[[scale.Protocol], Sequence[Any]]) -> str:
+  """A protocol field of every task, e.g. ``"autoencoder: 128 256; mnist1d: ..."``."""
+  return "; ".join(
+    f"{name}: {' '.join(map(str, field(p)))}" for name, p in sorted(scale.PROTOCOLS.items())
+  )
+
+
+def add_scale_modes(mode: Callable[[str, str, str], argparse.ArgumentParser]) -> None:
+  """The ``scale`` and ``scale-summary`` subcommands (``mode`` adds one)."""
+  budgets = "; ".join(
+    f"{name}: " + ", ".join(f"{s} at {b}" for b, s in p.budgets.items())
+    for name, p in sorted(scale.PROTOCOLS.items())
+  )
+  study = mode(
+    "scale",
+    "steps to target against the batch size: each optimizer's critical batch size",
+    "At each batch size B, tries each optimizer's learning rates c x sqrt(B/128) x (1/3, 1, 3) "
+    "(c its batch-128 setting) on a validation split, chooses the fewest steps to the target, "
+    "then trains every seed on the training set; writes OUT/TASK/scale/: a JSON-lines file per "
+    "run, scale.jsonl, scale.md and scale.png. Lines of an earlier study for other batches or "
+    f"optimizers are kept when made with the same budgets, evaluations and seeds. Budgets: {budgets}.",
+  )
+  study.add_argument("--task", default="mnist1d", choices=sorted(scale.PROTOCOLS), help="the task")
+  study.add_argument(
+    "--batches",
+    type=positive_int,
+    nargs="+",
+    action=Distinct,
+    default=None,
+    metavar="B",
+    help="batch sizes; at most the sweep split's training examples (default: the task's "
+    f"protocol: {protocol_text(lambda p: p.batches)})",
+  )
+  add_optimizers(
+    study,
+    None,
+    "the optimizers studied",
+    f"the task's protocol: {protocol_text(lambda p: p.optimizers)}",
+  )
+  add_seeds(study, default=(0, 1, 2))
+  add_training(
+    study,
+    "at every batch, replacing the protocol's budgets: smoke tests and quick looks; "
+    "default: the protocol's",
+    eval_every=scale.EVAL_EVERY,
+  )
+  add_out(study, f"results folder; files go to OUT/TASK/{scale.FOLDER}/")
+  add_progress(study)
+
+  gather = mode(
+    "scale-summary",
+    "gather several tasks' scaling studies into one file",
+    f"Reads OUT/TASK/{scale.FOLDER}/{scale.LINES} of each task (skipping tasks without one) and "
+    "writes every task's table to OUT/scale-summary.md; with --readme, also between that "
+    "file's scaling-table markers.",
+  )
+  gather.add_argument(
+    "--tasks",
+    nargs="+",
+    action=Distinct,
+    default=list(SCALE_TASKS),
+    choices=sorted(scale.PROTOCOLS),
+    metavar="TASK",
+    help=f"the tasks to gather; any of {', '.join(sorted(scale.PROTOCOLS))}",
+  )
+  add_out(gather, f"results folder; reads OUT/TASK/{scale.FOLDER}/, writes OUT/scale-summary.md")
+  gather.add_argument(
+    "--readme",
+    type=scale_readme_file,
+    default=None,
+    help=f"a file whose scaling table (between {SCALE_BEGIN} and {SCALE_END}) is replaced",
+  )
 
 
 def with_mode(argv: Sequence[str]) -> list[str]:
@@ -333,12 +433,16 @@ def main(argv: Sequence[str] | None = None) -> None:
   if args.mode == "summary":
     summarise(args)
     return
+  if args.mode == "scale-summary":
+    scale_summary(args)
+    return
   task = tasks.TASKS[args.task]()
   handlers: dict[str, Callable[[tasks.Task, argparse.Namespace, Path], None]] = {
     "compare": compare_mode,
     "run": run_mode,
     "sweep": sweep_mode,
     "table": table_mode,
+    "scale": scale_mode,
   }
   handlers[args.mode](task, args, args.out / task.name)
 
@@ -469,11 +573,11 @@ def write_outputs(task: tasks.Task, runs: Runs, out: Path, mode: str) -> None:
   print(written)
 
 
-def replace_table(text: str, table: str) -> str:
-  """``text`` with what lies between its experiments-table markers replaced by ``table``."""
-  head, rest = text.split(BEGIN, 1)
-  _, tail = rest.split(END, 1)
-  return f"{head}{BEGIN}\n{table}\n{END}{tail}"
+def replace_table(text: str, table: str, begin: str = BEGIN, end: str = END) -> str:
+  """``text`` with what lies between its markers (the experiments table's) replaced by ``table``."""
+  head, rest = text.split(begin, 1)
+  _, tail = rest.split(end, 1)
+  return f"{head}{begin}\n{table}\n{end}{tail}"
 
 
 def summarise(args: argparse.Namespace) -> None:
@@ -494,6 +598,67 @@ def summarise(args: argparse.Namespace) -> None:
       raise SystemExit(f"{args.readme} has no experiments-table markers {BEGIN!r} ... {END!r}")
     files.write_text(args.readme, replace_table(text, table))
     print(f"table written to {args.readme}")
+
+
+def refuse(mode: str, message: str) -> None:
+  """Exits with status 2 and ``message`` under the mode's usage (arguments found invalid late)."""
+  build_parser()[1][mode].error(message)
+
+
+def scale_mode(task: tasks.Task, args: argparse.Namespace, folder: Path) -> None:
+  """Runs the scaling study into ``folder/scale``; prints its table.
+
+  The plan, the batches against the sweep split and an earlier ``scale.jsonl``
+  are checked before anything trains (exit status 2 otherwise).
+  """
+  out = folder / scale.FOLDER
+  protocol = scale.PROTOCOLS[args.task]
+  try:
+    plan = scale.make_plan(
+      protocol, args.batches, args.optimizers, args.seeds, args.steps, args.eval_every
+    )
+    scale.check_batches(task, plan.batches)
+    kept = scale.kept_lines(out / scale.LINES, plan)
+  except ValueError as error:
+    refuse("scale", str(error))
+    return
+  lines = scale.study(task, plan, out, kept, not args.no_progress)
+  print(scale.report(lines))
+  print(f"results: {out}/*.jsonl, {out}/{scale.LINES}, {out}/scale.md, figure: {out}/scale.png")
+
+
+def scale_summary(args: argparse.Namespace) -> None:
+  """Gathers the scaling studies of several tasks into one file (and into the README)."""
+  reports = []
+  for name in args.tasks:
+    path = args.out / name / scale.FOLDER / scale.LINES
+    if not path.exists():
+      print(f"{name}: no scaling results ({path}): skipped")
+      continue
+    lines = scale.read_lines(path)
+    problem = scale.mixed(lines) if lines else "no lines"
+    if problem is not None:
+      raise SystemExit(
+        f"{path} mixes results made with different budgets, evaluations or seeds ({problem}): "
+        f"run `python -m experiments scale --task {name}` again into an empty folder"
+      )
+    reports.append(scale.report(lines))
+  if not reports:
+    raise SystemExit(
+      f"no scaling results in {args.out} for {' '.join(args.tasks)}: "
+      "run `python -m experiments scale --task TASK` first"
+    )
+  table = "\n\n".join(reports)
+  print(table)
+  files.write_text(args.out / "scale-summary.md", table + "\n")
+  if args.readme is not None:
+    text = args.readme.read_text()
+    if not has_markers(text, SCALE_BEGIN, SCALE_END):
+      raise SystemExit(
+        f"{args.readme} has no scaling-table markers {SCALE_BEGIN!r} ... {SCALE_END!r}"
+      )
+    files.write_text(args.readme, replace_table(text, table, SCALE_BEGIN, SCALE_END))
+    print(f"scaling tables written to {args.readme}")
 
 
 if __name__ == "__main__":

@@ -11,14 +11,16 @@ The public API::
 Distributed: ``mesh = kaisa_jax.make_mesh("hybrid_opt")`` and
 ``kaisa_jax.kfac(layers, mesh=mesh, ...)`` under ``jax.shard_map``, or
 ``kaisa_jax.kfac(layers, axis_name="batch", grad_worker_fraction=...)`` under
-``jax.pmap``. A custom layer: ``kaisa_jax.register_layer(MyLayer, weight="w")``.
+``jax.pmap``. Which fraction: ``print(kaisa_jax.plan_fractions(layers, n,
+kaisa_jax.projection.DGX_A100))``. A custom layer: ``kaisa_jax.register_layer(MyLayer, weight="w")``.
 """
 
-from kaisa_jax import accounting
+from kaisa_jax import accounting, projection
 from kaisa_jax.capture import LayerCurvature, Layers, ValueAndGrad, value_and_grad
 from kaisa_jax.checkpointing import PortableKFACState, from_portable, to_portable
 from kaisa_jax.distribution import GRAD_WORKERS, RECEIVERS, make_mesh
 from kaisa_jax.layers import register_layer
+from kaisa_jax.planning import FractionPlan, plan_fractions
 from kaisa_jax.transform import (
   KFAC,
   KFACState,
@@ -33,6 +35,7 @@ __all__ = [
   "GRAD_WORKERS",
   "KFAC",
   "RECEIVERS",
+  "FractionPlan",
   "KFACState",
   "LayerCurvature",
   "Layers",
@@ -46,6 +49,8 @@ __all__ = [
   "layer_factors",
   "make_mesh",
   "partition_specs",
+  "plan_fractions",
+  "projection",
   "register_layer",
   "to_portable",
   "value_and_grad",

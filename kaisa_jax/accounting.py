@@ -168,6 +168,31 @@ class Model:
     }
 
 
+def layout_collectives(layout: assignment.Layout, itemsize: int = 4) -> list[Collective]:
+  """The collectives of K-FAC's phases for a layout, one occurrence of each phase.
+
+  Factor steps: a reduce-scatter of every device's factor buffer over all
+  ``N`` devices and an all-reduce of the int32 health count. Inverse steps: an
+  all-gather of the decompositions within each group of ``W`` and an all-reduce
+  of the count. Every step: an all-gather of the preconditioned gradients
+  across the ``N / W`` groups. A collective over one device moves nothing.
+  """
+  rows, cols, n = layout.rows, layout.cols, layout.devices
+
+  def collective(kind: str, phase: str, size: int, result: float) -> Collective:
+    return Collective(kind, phase, size, int(result), moved(kind, size, result))
+
+  return [
+    collective("reduce-scatter", FACTOR_REDUCTION, n, layout.factor_size * itemsize),
+    collective("all-reduce", FACTOR_REDUCTION, n, 4),
+    collective(
+      "all-gather", DECOMPOSITION_SHARING, cols, cols * layout.decomposition_size * itemsize
+    ),
+    collective("all-reduce", DECOMPOSITION_SHARING, n, 4),
+    collective("all-gather", GRADIENT_SHARING, rows, rows * layout.gradient_size * itemsize),
+  ]
+
+
 def communication_model(plan: transform.Plan, itemsize: int = 4) -> tuple[Model, Model]:
   """``(kaisa_jax, reference)`` per-device bytes for a plan's layout.
 
@@ -180,12 +205,15 @@ def communication_model(plan: transform.Plan, itemsize: int = 4) -> tuple[Model,
   """
   layout = plan.layout
   rows, cols, n = layout.rows, layout.cols, layout.devices
-  flag = moved("all-reduce", n, 4)  # the int32 health count each phase agrees on
+  ours_collectives = layout_collectives(layout, itemsize)
+
+  def phase_bytes(phase: str) -> float:
+    return sum(c.moved_bytes for c in ours_collectives if c.phase == phase)
+
   ours = Model(
-    factor_reduction=moved("reduce-scatter", n, layout.factor_size * itemsize) + flag,
-    decomposition_sharing=moved("all-gather", cols, cols * layout.decomposition_size * itemsize)
-    + flag,
-    gradient_sharing=moved("all-gather", rows, rows * layout.gradient_size * itemsize),
+    factor_reduction=phase_bytes(FACTOR_REDUCTION),
+    decomposition_sharing=phase_bytes(DECOMPOSITION_SHARING),
+    gradient_sharing=phase_bytes(GRADIENT_SHARING),
     factor_memory=layout.factor_size * itemsize,
     decomposition_memory=cols * layout.decomposition_size * itemsize,
   )

@@ -38,6 +38,7 @@ Array = jax.Array
 RECEIVERS = "receivers"
 GRAD_WORKERS = "grad_workers"
 STRATEGIES = ("comm_opt", "hybrid_opt", "mem_opt")
+AUTO = "auto"  # kaisa_jax.kfac resolves it with kaisa_jax.plan_fractions
 
 
 def valid_fractions(n: int) -> list[str]:
@@ -50,7 +51,8 @@ def check_fraction(fraction: Any) -> None:
   if isinstance(fraction, str):
     if fraction not in STRATEGIES:
       raise ValueError(
-        f"grad_worker_fraction must be a number in (0, 1] or one of {STRATEGIES}, got {fraction!r}"
+        f"grad_worker_fraction must be a number in (0, 1] or one of {STRATEGIES} (kaisa_jax.kfac "
+        f"also takes {AUTO!r}), got {fraction!r}"
       )
     return
   if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real):

@@ -495,6 +495,56 @@ def _collectives(
   return distribution.Collectives("single", 1, 1)
 
 
+def make_plan(
+  layers: Layers,
+  comm: distribution.Collectives,
+  mesh: Mesh | None = None,
+  *,
+  compute_method: str,
+  inv_update_steps: int,
+  max_cost_ratio: float | None,
+  assignment_cost: str,
+  factor_dtype: Any,
+) -> Plan:
+  """Each layer's treatment (`kaisa_jax.cost`) and owner (`kaisa_jax.assignment`) on ``comm``'s devices."""
+  treated = tuple(
+    (
+      spec,
+      cost.choose_treatment(
+        _whole_batch(spec, comm), compute_method, inv_update_steps, max_cost_ratio
+      ),
+    )
+    for spec in layers.specs
+  )
+  layout = assignment.make_layout(treated, comm.rows, comm.cols, assignment_cost)
+  return Plan(
+    treated, layers.skipped, layout, inv_update_steps, comm, mesh, jnp.dtype(factor_dtype)
+  )
+
+
+def _auto_fraction(
+  layers: Layers, mesh: Mesh | None, axis_name: str | None, axis_size: int | None, **settings
+) -> str:
+  """``grad_worker_fraction="auto"``: the fraction `kaisa_jax.plan_fractions` recommends.
+
+  The cluster is the preset for the first device's kind
+  (`kaisa_jax.projection.cluster_of`), with no memory budget.
+  """
+  from kaisa_jax import planning, projection  # they build on this module
+
+  if mesh is not None:
+    raise ValueError(
+      "grad_worker_fraction='auto' cannot change a mesh's shape: build the mesh with "
+      "kaisa_jax.make_mesh(kaisa_jax.plan_fractions(layers, n_devices, cluster).recommended)"
+    )
+  if axis_name is None:
+    return "comm_opt"  # one device: nothing to choose
+  n = jax.device_count() if axis_size is None else axis_size
+  cluster = projection.cluster_of(jax.devices()[0])
+  choice = planning.plan_fractions(layers, n, cluster, **settings)
+  return choice.recommended
+
+
 def kfac(
   layers: Layers,
   *,
@@ -560,8 +610,11 @@ def kfac(
     grad_worker_fraction: KAISA's ``f``: ``W = f N`` of the ``N`` data-parallel
       devices form a grad-worker group. A number in ``(0, 1]`` with ``f N`` an
       integer dividing ``N``, or ``"comm_opt"`` (1, the default),
-      ``"hybrid_opt"`` (1/2) or ``"mem_opt"`` (``1/N``). With ``mesh=`` it
-      defaults to the mesh's. No effect on a single device.
+      ``"hybrid_opt"`` (1/2) or ``"mem_opt"`` (``1/N``), or ``"auto"``
+      (with ``axis_name=``): the fraction `kaisa_jax.plan_fractions`
+      recommends for the preset cluster of the device kind
+      (`kaisa_jax.projection.cluster_of`: A100, H100; others raise). With
+      ``mesh=`` it defaults to the mesh's. No effect on a single device.
     mesh: for a train step under ``jax.shard_map``: the mesh from
       `kaisa_jax.make_mesh`. ``init`` then returns the state sharded over it
       (``kaisa_jax.partition_specs`` gives the specs for ``shard_map``).
@@ -627,22 +680,31 @@ def kfac(
     hp.check_scalar("max_cost_ratio", max_cost_ratio, 0.0, open_low=True)
   if assignment_cost not in assignment.COSTS:
     raise ValueError(f"assignment_cost must be one of {assignment.COSTS}, got {assignment_cost!r}")
-  comm = _collectives(grad_worker_fraction, mesh, axis_name, axis_size)
-
-  treated = tuple(
-    (
-      spec,
-      cost.choose_treatment(
-        _whole_batch(spec, comm),
-        compute_method,
-        inv_steps_at_zero,
-        max_cost_ratio,
-      ),
+  if grad_worker_fraction == distribution.AUTO:
+    grad_worker_fraction = _auto_fraction(
+      layers,
+      mesh,
+      axis_name,
+      axis_size,
+      factor_update_steps=hp.check_steps("factor_update_steps", factor_update_steps),
+      inv_update_steps=inv_steps_at_zero,
+      compute_method=compute_method,
+      max_cost_ratio=max_cost_ratio,
+      assignment_cost=assignment_cost,
+      factor_dtype=factor_dtype,
     )
-    for spec in layers.specs
+  comm = _collectives(grad_worker_fraction, mesh, axis_name, axis_size)
+  plan = make_plan(
+    layers,
+    comm,
+    mesh,
+    compute_method=compute_method,
+    inv_update_steps=inv_steps_at_zero,
+    max_cost_ratio=max_cost_ratio,
+    assignment_cost=assignment_cost,
+    factor_dtype=factor_dtype,
   )
-  layout = assignment.make_layout(treated, comm.rows, comm.cols, assignment_cost)
-  plan = Plan(treated, layers.skipped, layout, inv_steps_at_zero, comm, mesh, factor_dtype)
+  layout = plan.layout
   unsupported = [k for k in layers.skipped if k.reason != EXCLUDED]
   if unsupported:
     warnings.warn(

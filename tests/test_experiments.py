@@ -4,7 +4,8 @@ They check the results files' fields, the figures, the table, the sweep's
 best.json and that a run is reproducible bit for bit (wall-clock aside); that
 ``run`` keeps its results apart from ``compare``'s, that the command line
 refuses bad arguments before training and that files are written whole or not
-at all.
+at all; and the scaling study's files, its choice and critical-batch rules and
+its summary.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 
 from experiments import __main__ as cli
-from experiments import files, optimizers, report, tasks
+from experiments import files, optimizers, report, scale, tasks
 from experiments.train import train
 
 FIELDS = {"step", "wall_seconds", "train_loss", "metric", "config", "versions"}
@@ -282,6 +283,16 @@ BAD_ARGUMENTS = [
   (["summary", "--readme", "{tmp}/notes.txt"], "has no experiments-table markers"),
   (["compare", "--out", "{tmp}/notes.txt"], "exists and is not a folder"),
   (["comapre"], "invalid choice: 'comapre'"),
+  (["scale", "--batches", "0"], "argument --batches: 0 is not positive"),
+  (["scale", "--batches", "8", "16", "8"], "argument --batches: given more than once: 8"),
+  (["scale", "--batches", "8", "100", "--steps", "2"], "batch 100 exceeds the 77 training"),
+  (["scale"], "batch 128 256 512 1024 2048 3200 exceeds the 77 training examples"),
+  (["scale", "--task", "digits"], "argument --task: invalid choice: 'digits'"),
+  (["scale", "--optimizers", "kfac_adamw"], "no scaling protocol for kfac_adamw"),
+  (["scale", "--batches", "8"], "no step budget for batch 8"),
+  (["scale", "--seeds", "1", "1"], "argument --seeds: given more than once: 1"),
+  (["scale-summary", "--readme", "{tmp}/notes.txt"], "has no scaling-table markers"),
+  (["scale-summary", "--tasks", "charlm"], "argument --tasks: invalid choice: 'charlm'"),
 ]
 
 
@@ -294,6 +305,7 @@ def test_bad_arguments_exit_2_before_training_or_writing(
 
   monkeypatch.setattr(cli, "train", no_training)
   monkeypatch.setattr(cli, "sweep", no_training)
+  monkeypatch.setattr(scale, "train", no_training)
   (tmp_path / "notes.txt").write_text("no markers here\n")
   argv = [a.format(tmp=tmp_path) for a in argv]
   out = [] if "--out" in argv else ["--out", str(tmp_path / "results")]
@@ -340,6 +352,14 @@ HELP = {  # per mode: options its help lists, options it must not
     ["--tasks", "--optimizers", "--seeds", "--readme"],
     ["--task", "--steps", "--eval-every", "--settings", "--no-progress"],
   ),
+  "scale": (
+    ["--task", "--batches", "--optimizers", "--seeds", "--steps", "--eval-every", "--out"],
+    ["--tasks", "--readme", "--seed", "--settings"],
+  ),
+  "scale-summary": (
+    ["--tasks", "--out", "--readme"],
+    ["--task", "--steps", "--seeds", "--optimizers", "--no-progress"],
+  ),
 }
 
 
@@ -357,8 +377,11 @@ def test_each_mode_has_its_own_help_with_defaults(mode, capsys):
     assert not re.search(rf"{option}(?![\w-])", text), (mode, option)
   words = " ".join(text.split())  # the help as one line, whatever the terminal's width
   assert "(default: results)" in words
-  if mode != "summary":
+  if mode not in ("summary", "scale-summary"):
     assert "(default: mnist1d)" in words
+  if mode == "scale":
+    assert "(default: 0 1 2)" in words and "(default: 5)" in words
+    assert "mnist1d: 128 256 512 1024 2048 3200" in words
 
 
 def test_a_failing_run_leaves_no_partial_file(tmp_path):
@@ -375,3 +398,200 @@ def test_a_failing_run_leaves_no_partial_file(tmp_path):
   assert path.read_text() == "earlier\n" and list(tmp_path.iterdir()) == [path]
   files.write_text(path, "whole\n")
   assert path.read_text() == "whole\n" and list(tmp_path.iterdir()) == [path]
+
+
+WALL_CLOCK = {"wall_seconds", "seconds_to_target", "training_seconds"}
+
+
+def strip_clock(value):
+  """``value`` without its wall-clock fields, at any depth."""
+  if isinstance(value, dict):
+    return {k: strip_clock(v) for k, v in value.items() if k not in WALL_CLOCK}
+  if isinstance(value, list):
+    return [strip_clock(v) for v in value]
+  return value
+
+
+def test_scale_writes_its_files_reproducibly(small_tasks, tmp_path):
+  argv = ["scale", "--batches", "16", "8", "--optimizers", "sgd", "kfac", "--seeds", "0", "1"]
+  argv += ["--steps", "4", "--eval-every", "2", "--no-progress"]
+  for folder in ("first", "second"):
+    cli.main([*argv, "--out", str(tmp_path / folder)])
+  out, again = (tmp_path / folder / "mnist1d" / "scale" for folder in ("first", "second"))
+  runs = [
+    f"{n}-b{b}-{kind}.jsonl"
+    for b in (8, 16)
+    for n in ("sgd", "kfac")
+    for kind in ("trial0", "trial1", "trial2", "seed0", "seed1")
+  ]
+  written = sorted(p.name for p in out.iterdir())
+  assert written == sorted([*runs, "scale.jsonl", "scale.md", "scale.png"])
+  assert sorted(p.name for p in again.iterdir()) == written
+  for name in runs:  # every run's records, bit for bit (wall-clock aside)
+    assert strip_wall(read(out / name)) == strip_wall(read(again / name)), name
+  trial = read(out / "kfac-b16-trial2.jsonl")
+  assert [r["step"] for r in trial] == [0, 2, 4]
+  assert trial[-1]["config"]["batch_size"] == 16 and trial[-1]["config"]["sweep_trial"] == 2
+  assert trial[-1]["config"]["metric_name"] == "validation accuracy"
+  seed_run = read(out / "sgd-b8-seed1.jsonl")[-1]["config"]
+  assert (seed_run["batch_size"], seed_run["seed"], seed_run["study"]) == (8, 1, "scale")
+  lines = read(out / "scale.jsonl")
+  assert strip_clock(lines) == strip_clock(read(again / "scale.jsonl"))
+  assert [(x["batch"], x["optimizer"]) for x in lines] == [
+    (8, "sgd"),
+    (8, "kfac"),
+    (16, "sgd"),
+    (16, "kfac"),
+  ]
+  for x in lines:
+    assert (x["budget"], x["budget_overridden"], x["seeds"]) == (4, True, [0, 1])
+    lrs = [t["settings"]["lr"] for t in x["grid"]]
+    centre = scale.PROTOCOLS["mnist1d"].centres[x["optimizer"]]
+    assert lrs == pytest.approx(
+      [centre["lr"] * (x["batch"] / 128) ** 0.5 * f for f in (1 / 3, 1, 3)]
+    )
+    if x["optimizer"] == "kfac":  # damping stays at the centre's
+      assert {t["settings"]["damping"] for t in x["grid"]} == {centre["damping"]}
+    assert sum(t["chosen"] for t in x["grid"]) == 1
+    assert x["chosen"] == x["grid"][x["chosen_trial"]]["settings"]
+    assert [r["seed"] for r in x["runs"]] == [0, 1]
+    assert x["reached"] == sum(r["steps_to_target"] is not None for r in x["runs"])
+    assert {"jax", "kaisa_jax"} <= set(x["versions"])
+    chosen = x["chosen"]
+    config = read(out / f"{x['optimizer']}-b{x['batch']}-seed0.jsonl")[-1]["config"]
+    assert config["lr"] == chosen["lr"] and config["metric_name"] == "test accuracy"
+  table = (out / "scale.md").read_text()
+  assert table == (again / "scale.md").read_text()
+  assert "budget overridden: 4 steps at every batch" in table
+  assert "| batch | budget | SGD | K-FAC | K-FAC / best baseline |" in table
+  assert table.count("| 8 | 4 |") == 1 and table.count("| 16 | 4 |") == 1
+  assert (out / "scale.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert (out / "scale.png").read_bytes() == (again / "scale.png").read_bytes()
+
+
+def test_scale_keeps_earlier_lines_only_when_made_alike(small_tasks, monkeypatch, tmp_path):
+  out = tmp_path / "mnist1d" / "scale"
+  out.mkdir(parents=True)
+  earlier = {"batch": 16, "optimizer": "sgd", "budget_overridden": True, "eval_every": 2}
+  earlier |= {"budget": 6, "seeds": [0]}
+  (out / "scale.jsonl").write_text(json.dumps(earlier) + "\n")
+  protocol = scale.PROTOCOLS["mnist1d"]
+  plan = scale.make_plan(protocol, [8], ["sgd"], [0], 6, 2)
+  assert scale.kept_lines(out / "scale.jsonl", plan) == [earlier]
+  with pytest.raises(ValueError, match=r"budgets overridden \(--steps\) with different steps"):
+    scale.kept_lines(out / "scale.jsonl", scale.make_plan(protocol, [8], ["sgd"], [0], 4, 2))
+  # The same batch and optimizer again replaces the earlier line, whatever its budget.
+  assert (
+    scale.kept_lines(out / "scale.jsonl", scale.make_plan(protocol, [16], ["sgd"], [0], 4, 2)) == []
+  )
+  monkeypatch.setattr(scale, "train", lambda *a, **k: pytest.fail("trained"))
+  with pytest.raises(SystemExit) as raised:
+    argv = ["scale", "--batches", "8", "--steps", "4", "--eval-every", "2", "--seeds", "0"]
+    cli.main([*argv, "--out", str(tmp_path)])
+  assert raised.value.code == 2
+  assert sorted(p.name for p in out.iterdir()) == ["scale.jsonl"]
+
+
+def test_critical_batch_rule():
+  batches = (128, 256, 512, 1024)
+
+  def critical(*steps):
+    return scale.critical_batch(dict(zip(batches, steps)))
+
+  assert critical(400, 200, 110, 80) == 512  # 80 > 1.5 * 400 * 128 / 1024 = 75
+  assert critical(400, 200, 110, 75) == 1024  # on the line counts
+  assert critical(400, 300, 150, 75) == 1024  # every batch on the 1.5x line
+  assert critical(400, 301, 100, 50) == 128
+  assert critical(400, None, 100, 50) == 128  # a miss in the middle stops it
+  assert critical(400, 200, None, 50) == 256
+  assert critical(None, 200, 100, 50) is None  # a miss at the smallest batch: undefined
+  assert scale.critical_batch({128: 400}) == 128
+  assert scale.critical_batch({256: 100, 128: 400, 512: 20}) == 512  # in batch order
+
+
+def test_scale_chooses_fewest_validation_steps_else_best_final_metric():
+  accuracy, mse = small("mnist1d"), small("autoencoder")  # higher, lower is better
+
+  def trials(*rows):
+    return [{"steps_to_target": s, "final_metric": m} for s, m in rows]
+
+  assert scale.choose(accuracy, trials((None, 0.99), (40, 0.95), (30, 0.94))) == 2
+  assert (
+    scale.choose(accuracy, trials((30, 0.95), (None, None), (30, 0.96))) == 2
+  )  # tie: better final
+  assert scale.choose(accuracy, trials((30, 0.96), (30, 0.96))) == 0  # then the earlier
+  assert scale.choose(accuracy, trials((None, 0.5), (None, 0.7), (None, None))) == 1
+  assert scale.choose(mse, trials((None, None), (None, 0.03), (None, 0.02))) == 2
+  assert scale.choose(mse, trials((None, None), (None, None), (None, 5.0))) == 2  # diverged last
+  assert scale.choose(mse, trials((None, None), (10, 0.01), (None, 0.001))) == 1
+
+
+def scale_line(batch, name, steps, budget, seeds=(0, 1, 2)):
+  """A made-up ``scale.jsonl`` line: ``steps`` per seed (None: missed)."""
+  reached = [s for s in steps if s is not None]
+  return {
+    "task": "mnist1d",
+    "batch": batch,
+    "budget": budget,
+    "budget_overridden": False,
+    "optimizer": name,
+    "metric_name": "test accuracy",
+    "target": 0.94,
+    "higher_is_better": True,
+    "eval_every": 5,
+    "seeds": list(seeds),
+    "validation_fraction": 0.2,
+    "chosen_trial": 1,
+    "runs": [{"seed": s, "steps_to_target": n} for s, n in zip(seeds, steps)],
+    "reached": len(reached),
+    "mean_steps_to_target": sum(reached) / len(steps) if len(reached) == len(steps) else None,
+  }
+
+
+def test_scale_summary_writes_the_readme_between_its_markers(tmp_path, capsys):
+  budgets = {128: 600, 256: 400, 512: 300, 1024: 200}
+  made_up = {  # steps per batch, the same on every seed (None: missed)
+    "sgd": (400, 200, 110, 80),
+    "adamw": (300, 250, None, None),
+    "kfac": (200, 100, 50, 30),
+  }
+  lines = [
+    scale_line(b, n, [steps[i]] * 3, budgets[b])
+    for i, b in enumerate(budgets)
+    for n, steps in made_up.items()
+  ]
+  lines[-1] = scale_line(1024, "kfac", [30, 30, None], 200)  # one seed missed at 1024
+  out = tmp_path / "mnist1d" / "scale"
+  out.mkdir(parents=True)
+  (out / "scale.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+  readme = tmp_path / "README.md"
+  readme.write_text(f"intro\n{cli.SCALE_BEGIN}\n(no results yet)\n{cli.SCALE_END}\noutro\n")
+  argv = ["scale-summary", "--tasks", "mnist1d", "resnet", "--out", str(tmp_path)]
+  cli.main([*argv, "--readme", str(readme)])
+  assert "resnet: no scaling results" in capsys.readouterr().out
+  text = readme.read_text()
+  assert text.startswith(f"intro\n{cli.SCALE_BEGIN}\n### mnist1d")
+  assert text.endswith(f"{cli.SCALE_END}\noutro\n") and "(no results yet)" not in text
+  assert "| 128 | 600 | 400 | 300 | 200 | 0.67x (AdamW) |" in text
+  assert "| 512 | 300 | 110 | missed (0/3) | 50 | 0.45x (SGD) |" in text
+  assert "| 1024 | 200 | 80 | missed (0/3) | missed (2/3) | K-FAC missed |" in text
+  assert "* SGD: 512; 400 steps at batch 128" in text
+  assert "* AdamW: 128; 300 steps at batch 128" in text
+  assert "* K-FAC: 512; 200 steps at batch 128" in text
+  assert "K-FAC's critical batch / the best baseline's (SGD, 512): 1.00x (512 / 512)." in text
+  assert "At batch 1024, the largest where a baseline reaches the target (SGD, 80 steps)" in text
+  assert "K-FAC missed (2/3)." in text
+  assert (tmp_path / "scale-summary.md").read_text().strip() in text
+  # Lines of one batch made with different budgets are refused, and nothing is written.
+  (tmp_path / "scale-summary.md").unlink()
+  mixed = [*lines, scale_line(128, "kfac", [200] * 3, 300)]
+  (out / "scale.jsonl").write_text("".join(json.dumps(x) + "\n" for x in mixed))
+  with pytest.raises(SystemExit, match="batch 128: budgets of 300, 600 steps"):
+    cli.main([*argv, "--readme", str(readme)])
+  assert readme.read_text() == text and not (tmp_path / "scale-summary.md").exists()
+  # A README without the scaling markers is refused before anything is read.
+  readme.write_text(f"intro\n{cli.BEGIN}\n{cli.END}\n")
+  with pytest.raises(SystemExit) as raised:
+    cli.main([*argv, "--readme", str(readme)])
+  assert raised.value.code == 2
+  assert "has no scaling-table markers" in capsys.readouterr().err

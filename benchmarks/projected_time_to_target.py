@@ -1,0 +1,280 @@
+"""Projected time to target on N data-parallel devices: measured steps x projected seconds per step.
+
+For each task with scaling results (``python -m experiments scale``, in
+``results/TASK/scale/scale.jsonl``), each optimizer and each global batch ``B``
+of the study where every seed reached the target, and ``N = 1, 2, 4, ..., 64``
+devices (per-device batch ``b = B / N``)::
+
+  time to target (N, B) = steps to target at B      (measured on this CPU; steps do not depend on hardware)
+                        x seconds per step (N, b)    (PROJECTED: kaisa_jax.projection, per preset cluster)
+
+The step is compiled for one device at the per-device batch; K-FAC's layers
+are weighed at the global batch (as `kaisa_jax.kfac` on ``N`` devices weighs
+them, so each layer gets the treatment it would get there), its phases are
+amortised by its cadence (factors every 10 steps, decompositions every 100) and
+its grad worker fraction is the one `kaisa_jax.plan_fractions` recommends for
+``N`` on that cluster. A step's XLA costs are linear in the per-device batch:
+each (optimizer, ``B``) is compiled at ``b = B`` and ``b = B / 64`` and
+interpolated (a third compile checks it). Per ``N`` the table gives each
+optimizer's fastest ``B``. Nothing here ran on the clusters named.
+
+Run: ``python benchmarks/projected_time_to_target.py [--tasks mnist1d resnet autoencoder]
+[--out results] [--readme README.md]``; writes ``OUT/TASK/scale/projected.md`` and
+``projected.png``, and with ``--readme`` the tables between the README's projection markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import matplotlib
+import optax
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import kaisa_jax
+from experiments import optimizers, tasks
+from experiments.files import write_text
+from experiments.report import NAMES
+from kaisa_jax import projection
+
+DEVICES = (1, 2, 4, 8, 16, 32, 64)
+PRESETS = (projection.DGX_A100, projection.DGX_H100)
+FACTOR_STEPS, INV_STEPS = 10, 100  # experiments.optimizers' K-FAC cadence
+BEGIN = "<!-- projected table: written by benchmarks/projected_time_to_target.py -->"
+END = "<!-- end of projected table -->"
+
+
+def load(out: Path, task: str) -> list[dict[str, Any]]:
+  path = out / task / "scale" / "scale.jsonl"
+  if not path.exists():
+    return []
+  return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def weighed_at(layers: kaisa_jax.Layers, n: int) -> kaisa_jax.Layers:
+  """The layers with the rows of ``n`` devices' batches: what the cost rule weighs on ``n`` devices."""
+  specs = tuple(dataclasses.replace(s, rows=s.rows * n) for s in layers.specs)
+  return kaisa_jax.Layers(specs, layers.skipped)
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+  """One optimizer's per-device costs at one per-device batch."""
+
+  step: projection.ProgramCost
+  work: projection.KFACWork | None
+  gradient_bytes: float
+
+
+def costs(task: tasks.Task, name: str, settings: dict[str, Any], b: int, n: int) -> Costs:
+  """Compiles ``name``'s step for one device at per-device batch ``b`` of an ``n``-device run."""
+  at_b = dataclasses.replace(task, batch_size=b)
+  x, y = (jnp.asarray(a[:b]) for a in task.train)
+  params, state = task.init(jax.random.key(0), x[:1])
+  gradient_bytes = 4.0 * sum(p.size for p in jax.tree.leaves(params))
+  opt = optimizers.from_settings(name, settings)
+  if not optimizers.is_kfac(name):
+    tx = optimizers.build(opt, 1000, None)
+
+    def gradients(params, state, x, y):
+      (_, state), grads = jax.value_and_grad(task.loss, has_aux=True)(params, state, x, y)
+      return state, grads, {}
+
+    layers = work = None
+  else:
+    grad_fn = kaisa_jax.value_and_grad(task.loss, has_aux=True, n_examples=at_b.n_examples())
+    layers = weighed_at(grad_fn.layers(params, state, x, y), n)
+    tx = optimizers.build(opt, 1000, layers)
+
+    def gradients(params, state, x, y):
+      (_, state), grads, curvature = grad_fn(params, state, x, y)
+      return state, grads, {"curvature": curvature}
+
+  def step(params, state, opt_state, x, y):
+    state, grads, extra = gradients(params, state, x, y)
+    updates, opt_state = tx.update(grads, opt_state, params, **extra)
+    return optax.apply_updates(params, updates), state, opt_state
+
+  opt_state = tx.init(params)
+  step_cost = projection.cost_of(step, params, state, opt_state, x, y)
+  if layers is not None:
+    kfac = kaisa_jax.kfac(layers, lr=opt.lr, **opt.kfac)
+    _, grads, curvature = grad_fn(params, state, x, y)
+    kfac_state = opt_state.inner_state[0]
+    work = projection.kfac_work(kfac, kfac_state, grads, curvature, FACTOR_STEPS, INV_STEPS)
+  return Costs(step_cost, work, gradient_bytes)
+
+
+def interpolate(lo: projection.ProgramCost, hi: projection.ProgramCost, t: float):
+  return lo + (hi + lo.scaled(-1.0)).scaled(t)
+
+
+def between(lo: Costs, hi: Costs, b_lo: int, b_hi: int, b: int) -> Costs:
+  """``Costs`` at batch ``b``, linear between ``b_lo`` and ``b_hi``."""
+  t = 0.0 if b_hi == b_lo else (b - b_lo) / (b_hi - b_lo)
+  work = None
+  if lo.work is not None:
+    work = dataclasses.replace(
+      hi.work,
+      factors=interpolate(lo.work.factors, hi.work.factors, t),
+      decompositions=interpolate(lo.work.decompositions, hi.work.decompositions, t),
+      preconditioning=interpolate(lo.work.preconditioning, hi.work.preconditioning, t),
+    )
+  return Costs(interpolate(lo.step, hi.step, t), work, hi.gradient_bytes)
+
+
+def local_layers(task: tasks.Task, b: int) -> kaisa_jax.Layers:
+  """The task's layers traced at per-device batch ``b`` (abstractly: nothing is computed)."""
+  at_b = dataclasses.replace(task, batch_size=b)
+  x, y = (jnp.asarray(a[:b]) for a in task.train)
+  params, state = task.init(jax.random.key(0), x[:1])
+  grad_fn = kaisa_jax.value_and_grad(task.loss, has_aux=True, n_examples=at_b.n_examples())
+  return grad_fn.layers(params, state, x, y)
+
+
+def seconds_per_step(c: Costs, cluster: projection.Cluster, n: int, layers: kaisa_jax.Layers):
+  """Projected seconds per step on ``n`` devices, and K-FAC's fraction (``layers`` per device)."""
+  if c.work is None:
+    t = projection.project_step(c.step, cluster, n, gradient_bytes=c.gradient_bytes)
+    return t.total, None
+  plan = kaisa_jax.plan_fractions(
+    layers, n, cluster, factor_update_steps=FACTOR_STEPS, inv_update_steps=INV_STEPS
+  )
+  t = projection.project_step(
+    c.step,
+    cluster,
+    n,
+    gradient_bytes=c.gradient_bytes,
+    kfac=c.work,
+    grad_worker_fraction=plan.recommended,
+  )
+  return t.total, plan.recommended
+
+
+def project_task(task_name: str, lines: list[dict[str, Any]]) -> dict[str, Any]:
+  """Per preset, N and optimizer: the fastest projected time to target over the study's batches."""
+  task = tasks.TASKS[task_name]()
+  names = list(dict.fromkeys(line["optimizer"] for line in lines))
+  reached = [line for line in lines if line["mean_steps_to_target"] is not None]
+  out: dict[str, Any] = {p.name: {n: {} for n in DEVICES} for p in PRESETS}
+  check = None
+  for line in reached:
+    name, big = line["optimizer"], line["batch"]
+    small = big // DEVICES[-1]
+    lo = costs(task, name, line["chosen"], small, DEVICES[-1])
+    hi = costs(task, name, line["chosen"], big, 1)
+    if check is None and big // 8 not in (small, big):  # linearity, once per task
+      mid = costs(task, name, line["chosen"], big // 8, 8)
+      guess = between(lo, hi, small, big, big // 8).step
+      check = max(abs(g - m) / max(m, 1.0) for g, m in zip(guess, mid.step, strict=True))
+    for n in (n for n in DEVICES if big % n == 0):
+      b = big // n
+      c = between(lo, hi, small, big, b)
+      layers = local_layers(task, b) if c.work is not None else None
+      for preset in PRESETS:
+        seconds, fraction = seconds_per_step(c, preset, n, layers)
+        total = line["mean_steps_to_target"] * seconds
+        best = out[preset.name][n].get(name)
+        if best is None or total < best["seconds"]:
+          out[preset.name][n][name] = {
+            "seconds": total,
+            "batch": big,
+            "steps": line["mean_steps_to_target"],
+            "fraction": None if fraction is None else str(fraction),
+          }
+  return {"task": task_name, "names": names, "best": out, "linearity": check}
+
+
+def table(result: dict[str, Any]) -> str:
+  names = result["names"]
+  baselines = [n for n in names if not optimizers.is_kfac(n)]
+  lines = []
+  for preset in PRESETS:
+    lines += [
+      f"**{result['task']}, PROJECTED on {preset.name}** (seconds to target = measured steps x "
+      "projected seconds per step; best global batch B per N)",
+      "",
+      "| N | " + " | ".join(NAMES.get(n, n) for n in names) + " | K-FAC / best baseline |",
+      "|---" * (len(names) + 2) + "|",
+    ]
+    for n in DEVICES:
+      row = result["best"][preset.name][n]
+      cells = []
+      for name in names:
+        r = row.get(name)
+        if r is None:
+          cells.append("missed")
+          continue
+        f = f", f={r['fraction']}" if r["fraction"] else ""
+        cells.append(f"{r['seconds']:.3g} s (B={r['batch']}{f})")
+      base = [row[b]["seconds"] for b in baselines if b in row]
+      kfac = [row[k]["seconds"] for k in names if optimizers.is_kfac(k) and k in row]
+      ratio = f"{min(kfac) / min(base):.2f}x" if base and kfac else "n/a"
+      lines.append(f"| {n} | " + " | ".join(cells) + f" | {ratio} |")
+    lines.append("")
+  return "\n".join(lines)
+
+
+def figure(result: dict[str, Any], path: Path) -> None:
+  fig, axes = plt.subplots(1, len(PRESETS), figsize=(6 * len(PRESETS), 4), squeeze=False)
+  for ax, preset in zip(axes[0], PRESETS, strict=True):
+    for name in result["names"]:
+      ns = [n for n in DEVICES if name in result["best"][preset.name][n]]
+      ts = [result["best"][preset.name][n][name]["seconds"] for n in ns]
+      ax.plot(ns, ts, marker="o", label=NAMES.get(name, name))
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("devices N")
+    ax.set_ylabel("PROJECTED seconds to target")
+    ax.set_title(f"{result['task']}: {preset.name.split(' (')[0]} (projection)")
+    ax.legend()
+  fig.tight_layout()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--tasks", nargs="+", default=["mnist1d", "resnet", "autoencoder"])
+  parser.add_argument("--out", type=Path, default=Path("results"))
+  parser.add_argument("--readme", type=Path, default=None)
+  args = parser.parse_args()
+  texts = []
+  for name in args.tasks:
+    lines = load(args.out, name)
+    if not lines:
+      print(
+        f"{name}: no scaling results in {args.out / name / 'scale'}; run python -m experiments scale --task {name}"
+      )
+      continue
+    result = project_task(name, lines)
+    text = table(result)
+    text += f"\nLinear interpolation in the per-device batch checked at B/8: largest relative error {result['linearity'] or 0:.1e}.\n"
+    print(text)
+    folder = args.out / name / "scale"
+    write_text(folder / "projected.md", text)
+    figure(result, folder / "projected.png")
+    texts.append(text)
+  if args.readme is not None and texts:
+    readme = args.readme.read_text()
+    if BEGIN not in readme or END not in readme:
+      raise SystemExit(f"{args.readme} has no markers {BEGIN} ... {END}")
+    head, rest = readme.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    write_text(args.readme, head + BEGIN + "\n" + "\n".join(texts) + END + tail)
+
+
+if __name__ == "__main__":
+  main()

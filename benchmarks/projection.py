@@ -1,0 +1,149 @@
+"""Validation of the projected step time (`kaisa_jax.projection`) against this machine.
+
+This machine is described by `kaisa_jax.projection.measure_host` (a float32
+matmul and a streaming op timed at start); each model's SGD and K-FAC steps
+(factors every 10 steps, decompositions every 100, batch 128) are compiled for
+one device, projected from XLA's cost analysis, and timed: SGD and K-FAC take
+turns in blocks of 100 steps (whole cadence cycles) and the median block mean
+is reported. The projection must land within 30 % of the measured time.
+
+Run: ``python benchmarks/projection.py [--blocks 5] [--models mnist1d resnet mlp]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from step_time import MLP
+
+import kaisa_jax
+from experiments import optimizers, tasks
+from experiments.train import make_step
+from kaisa_jax import projection
+
+BATCH = 128
+SGD = optimizers.Optimizer("sgd", 0.01)
+KFAC = optimizers.Optimizer("kfac", 0.01, {"damping": 1e-2})
+FACTOR_STEPS, INV_STEPS = 10, 100  # experiments.optimizers' K-FAC cadence (kaisa_jax's defaults)
+TOLERANCE = 0.3
+
+
+def mlp_task() -> tasks.Task:
+  """The step-time benchmark's MLP (3 x 512 ReLU) on random 784-pixel inputs."""
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(1024, 784)).astype(np.float32)
+  y = rng.integers(0, 10, 1024).astype(np.int32)
+  return tasks.Task(
+    name="mlp",
+    model=MLP(),
+    train=(x, y),
+    test=(x[:128], y[:128]),
+    loss_fn=tasks.cross_entropy,
+    metric_fn=tasks.accuracy,
+    metric_name="accuracy",
+    target=1.0,
+    higher_is_better=True,
+    batch_size=BATCH,
+    steps=1000,
+    sweep_steps=1000,
+  )
+
+
+MODELS = {"mnist1d": tasks.mnist1d, "resnet": tasks.resnet, "mlp": mlp_task}
+
+
+def built(task: tasks.Task, opt: optimizers.Optimizer):
+  """``(step, carry, compiled)`` of one optimizer's train step on the first batch."""
+  x, y = (jnp.asarray(a[:BATCH]) for a in task.train)
+  params, state = task.init(jax.random.key(0), x[:1])
+  tx, step = make_step(task, opt, 1000, params, state)
+  carry = (params, state, tx.init(params))
+  compiled = step.lower(*carry, x, y).compile()
+  return step, carry, compiled, (x, y)
+
+
+def interleaved(steps: dict, batch, block: int, blocks: int) -> dict[str, float]:
+  """Median over blocks of each step's mean time in a block; the steps take turns."""
+  carries = {name: carry for name, (_, carry) in steps.items()}
+  means: dict[str, list[float]] = {name: [] for name in steps}
+  for name, (fn, _) in steps.items():  # warm up
+    *carry, _ = fn(*carries[name], *batch)
+    carries[name] = jax.block_until_ready(carry)
+  for _ in range(blocks):
+    for name, (fn, _) in steps.items():
+      carry = carries[name]
+      start = time.perf_counter()
+      for _ in range(block):
+        *carry, _ = fn(*carry, *batch)
+      jax.block_until_ready(carry)
+      means[name].append((time.perf_counter() - start) / block)
+      carries[name] = carry
+  return {name: statistics.median(m) for name, m in means.items()}
+
+
+def kfac_work(task: tasks.Task, carry, batch) -> projection.KFACWork:
+  """K-FAC's phases for the task, compiled alone (same layers and settings as the step)."""
+  params, state, opt_state = carry
+  grad_fn = kaisa_jax.value_and_grad(task.loss, has_aux=True, n_examples=task.n_examples())
+  layers = grad_fn.layers(params, state, *batch)
+  kfac = kaisa_jax.kfac(layers, lr=KFAC.lr, **KFAC.kfac)
+  _, grads, curvature = grad_fn(params, state, *batch)
+  return projection.kfac_work(
+    kfac, opt_state.inner_state[0], grads, curvature, FACTOR_STEPS, INV_STEPS
+  )
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--blocks", type=int, default=5, help="timed blocks of 100 steps")
+  parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+  args = parser.parse_args()
+  host = projection.measure_host()
+  print(
+    f"jax {jax.__version__}; {host.name}: {host.flops_per_s / 1e9:.1f} GFLOP/s, "
+    f"{host.memory_bandwidth / 1e9:.1f} GB/s ({host.source}); batch {BATCH}, K-FAC "
+    f"cadence ({FACTOR_STEPS}, {INV_STEPS})"
+  )
+  print(
+    f"{'model':<8} {'optimizer':<9} {'GFLOP':>7} {'MB':>7} {'measured ms':>11} "
+    f"{'projected ms':>12} {'projected/measured':>18}"
+  )
+  worst = 0.0
+  for name in args.models:
+    task = dataclasses.replace(MODELS[name](), batch_size=BATCH)
+    sgd_step, sgd_carry, sgd_compiled, batch = built(task, SGD)
+    kfac_step, kfac_carry, kfac_compiled, _ = built(task, KFAC)
+    work = kfac_work(task, kfac_carry, batch)
+    projected = {
+      "SGD": projection.project_step(projection.program_cost(sgd_compiled), host),
+      "K-FAC": projection.project_step(projection.program_cost(kfac_compiled), host, kfac=work),
+    }
+    measured = interleaved(
+      {"SGD": (sgd_step, sgd_carry), "K-FAC": (kfac_step, kfac_carry)}, batch, 100, args.blocks
+    )
+    for opt, compiled in (("SGD", sgd_compiled), ("K-FAC", kfac_compiled)):
+      c = projection.program_cost(compiled)
+      ratio = projected[opt].total / measured[opt]
+      worst = max(worst, abs(ratio - 1.0))
+      print(
+        f"{name:<8} {opt:<9} {(c.flops + c.lapack_flops) / 1e9:>7.3f} {c.bytes / 1e6:>7.1f}"
+        f" {1e3 * measured[opt]:>11.2f} {1e3 * projected[opt].total:>12.2f} {ratio:>17.2f}x"
+      )
+  verdict = "within" if worst <= TOLERANCE else "NOT within"
+  print(f"largest deviation {100 * worst:.0f}%: {verdict} the {100 * TOLERANCE:.0f}% target")
+
+
+if __name__ == "__main__":
+  main()

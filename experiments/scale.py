@@ -1,0 +1,681 @@
+"""The batch-size scaling study: steps to a task's target against the global batch size.
+
+It finds each optimizer's critical batch size: the largest batch up to which
+more examples per step still buy nearly proportionally fewer steps
+(`critical_batch`).
+
+The protocol is data fixed in advance (`PROTOCOLS`): per task, the batch
+sizes, the step budget at each (the same for every optimizer), the optimizers
+studied and each one's settings at batch 128, the centre of its grid. At batch
+``B`` every optimizer tries the learning rates ``c * sqrt(B / 128) * (1/3, 1,
+3)`` (`grid`; ``c`` its centre; K-FAC's damping stays at its centre, the
+library's factors being averages per example, so a damping means the same at
+every batch). Every trial trains on the training set less a 20 % validation
+split (seed 0) for the batch's budget, the cosine decay spanning it; the trial
+that reaches the target on the validation split in the fewest steps is chosen,
+or when none does the best final validation metric (diverged trials last;
+`choose`). Each seed then trains the chosen setting on the whole training set
+and is scored on the test set. Within a batch the optimizers take turns, trial
+by trial and seed by seed, so that the machine's slow spells fall on all alike.
+
+Every run writes its JSON-lines file to ``OUT/TASK/scale/`` (``sgd-b256-trial1.jsonl``,
+``kfac-b256-seed0.jsonl``); ``scale.jsonl`` holds one line per optimizer and batch,
+``scale.md`` the table and ``scale.png`` the figure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+import numpy as np
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+from matplotlib.lines import Line2D
+from matplotlib.ticker import LogFormatter, NullLocator
+
+from experiments import optimizers
+from experiments.files import atomic_open, write_text
+from experiments.optimizers import is_kfac
+from experiments.report import NAMES, to_target
+from experiments.sweep import VALIDATION_FRACTION, pick
+from experiments.tasks import Task, with_validation
+from experiments.train import train, versions
+
+FOLDER = "scale"  # under OUT/TASK/
+LINES = "scale.jsonl"
+REFERENCE_BATCH = 128  # the batch the centres are set at
+LR_FACTORS = (1 / 3, 1.0, 3.0)  # the grid around c * sqrt(B / 128)
+FACTOR_LABELS = ("1/3", "1", "3")
+SLACK = 1.5  # steps may exceed perfect scaling from the smallest batch by this factor
+TRIAL_SEED = 0  # the seed of every sweep trial
+EVAL_EVERY = 5
+ORDER = list(optimizers.DEFAULTS)  # optimizers in files and tables: in this order
+
+Line = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Protocol:
+  """A task's scaling study, fixed before any run.
+
+  Attributes:
+    batches: the batch sizes, smallest first.
+    budgets: training steps at each batch size, for every optimizer alike.
+    centres: per optimizer studied (in this order), its settings at batch
+      `REFERENCE_BATCH`: ``{"lr": ...}`` and K-FAC's ``damping``.
+  """
+
+  batches: tuple[int, ...]
+  budgets: dict[int, int]
+  centres: dict[str, dict[str, float]]
+
+  @property
+  def optimizers(self) -> list[str]:
+    """The optimizers studied."""
+    return list(self.centres)
+
+
+MNIST1D_BATCHES = (128, 256, 512, 1024, 2048, 3200)  # 3200: the whole sweep split (80 % of 4000)
+MNIST1D_BUDGETS = {128: 600, 256: 400, 512: 300, 1024: 200, 2048: 200, 3200: 200}
+
+PROTOCOLS: dict[str, Protocol] = {
+  "mnist1d": Protocol(
+    MNIST1D_BATCHES,
+    MNIST1D_BUDGETS,
+    {
+      "sgd": {"lr": 0.1},
+      "adamw": {"lr": 0.01},
+      "kfac": {"lr": 0.1, "damping": 0.01},
+    },
+  ),
+  "resnet": Protocol(
+    MNIST1D_BATCHES,
+    MNIST1D_BUDGETS,
+    {
+      "sgd": {"lr": 0.3},
+      "adamw": {"lr": 0.003},
+      "kfac": {"lr": 0.03, "damping": 0.01},
+      "kfac_adamw": {"lr": 0.003, "damping": 0.01},
+    },
+  ),
+  # The autoencoder's sweep split holds 1150 of the 1437 training examples.
+  "autoencoder": Protocol(
+    (128, 256, 512, 1024),
+    {128: 400, 256: 300, 512: 200, 1024: 200},
+    {
+      "sgd": {"lr": 0.1},
+      "adamw": {"lr": 0.0003},
+      "kfac": {"lr": 0.1, "damping": 0.1},
+    },
+  ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What one run of the study trains.
+
+  Attributes:
+    batches: the batch sizes, smallest first.
+    names: the optimizers, in the order they take turns.
+    seeds: the seeds each chosen setting trains with.
+    budgets: training steps at each batch.
+    overridden: whether ``budgets`` replace the protocol's (``--steps``).
+    eval_every: steps between evaluations.
+    centres: each optimizer's settings at batch `REFERENCE_BATCH`.
+  """
+
+  batches: tuple[int, ...]
+  names: tuple[str, ...]
+  seeds: tuple[int, ...]
+  budgets: dict[int, int]
+  overridden: bool
+  eval_every: int
+  centres: dict[str, dict[str, float]]
+
+
+def grid(centre: Mapping[str, float], batch: int) -> list[dict[str, float]]:
+  """The settings tried at ``batch``: learning rates ``c * sqrt(batch / 128) * LR_FACTORS``.
+
+  The other settings (K-FAC's damping) stay at the centre's.
+  """
+  scale = math.sqrt(batch / REFERENCE_BATCH)
+  return [{**centre, "lr": centre["lr"] * scale * f} for f in LR_FACTORS]
+
+
+def make_plan(
+  protocol: Protocol,
+  batches: Sequence[int] | None,
+  names: Sequence[str] | None,
+  seeds: Sequence[int],
+  steps: int | None,
+  eval_every: int,
+) -> Plan:
+  """The plan of a run: the protocol's batches and optimizers unless given.
+
+  ``steps`` replaces every batch's budget. Raises `ValueError` for an
+  optimizer the protocol has no centre for, or a batch it has no budget for
+  (unless ``steps`` is given).
+  """
+  batches = sorted(batches or protocol.batches)
+  names = list(names or protocol.optimizers)
+  unknown = [n for n in names if n not in protocol.centres]
+  if unknown:
+    raise ValueError(
+      f"no scaling protocol for {' '.join(unknown)} on this task "
+      f"(it studies {' '.join(protocol.optimizers)})"
+    )
+  missing = [b for b in batches if b not in protocol.budgets]
+  if steps is None and missing:
+    known = ", ".join(f"{b}: {s}" for b, s in protocol.budgets.items())
+    raise ValueError(
+      f"no step budget for batch {' '.join(map(str, missing))} in the protocol "
+      f"({known}): give --steps"
+    )
+  budgets = {b: steps or protocol.budgets[b] for b in batches}
+  centres = {n: protocol.centres[n] for n in names}
+  return Plan(
+    tuple(batches), tuple(names), tuple(seeds), budgets, steps is not None, eval_every, centres
+  )
+
+
+def sweep_examples(task: Task) -> int:
+  """The training examples of the task's sweep split (the training set less its validation split)."""
+  return len(with_validation(task, VALIDATION_FRACTION).train[0])
+
+
+def check_batches(task: Task, batches: Sequence[int]) -> None:
+  """Raises `ValueError` when a batch exceeds the sweep split's training examples.
+
+  The seeds train on the whole training set, which is larger.
+  """
+  room = sweep_examples(task)
+  over = [b for b in batches if b > room]
+  if over:
+    raise ValueError(
+      f"batch {' '.join(map(str, over))} exceeds the {room} training examples of "
+      f"{task.name}'s sweep split (its training set less a {VALIDATION_FRACTION * 100:g} % "
+      "validation split)"
+    )
+
+
+def choose(task: Task, trials: Sequence[Mapping[str, Any]]) -> int:
+  """Index of the chosen trial.
+
+  The fewest validation steps to the target (``steps_to_target``; ties: the
+  better final metric, then the earlier trial); when no trial reached it, the
+  best ``final_metric``, diverged trials (None) last (`experiments.sweep.pick`).
+  """
+  reached = [i for i, t in enumerate(trials) if t["steps_to_target"] is not None]
+  if not reached:
+    return pick(task, list(trials))
+
+  def score(i: int) -> tuple[int, float]:
+    final = trials[i]["final_metric"]
+    return trials[i]["steps_to_target"], -final if task.higher_is_better else final
+
+  return min(reached, key=score)
+
+
+def critical_batch(steps: Mapping[int, float | None]) -> int | None:
+  """The critical batch size given the steps to target at each batch (None: missed).
+
+  With ``B0`` the smallest batch and ``S0`` its steps, the largest batch ``B``
+  such that the target is reached at ``B`` and at every batch from ``B0`` to
+  ``B`` in ``steps(B) <= SLACK * S0 * B0 / B``: perfect scaling from ``B0``
+  (twice the batch, half the steps) with `SLACK` (1.5x) room. None (undefined)
+  when the target is missed at ``B0``.
+  """
+  batches = sorted(steps)
+  b0 = batches[0]
+  s0 = steps[b0]
+  if s0 is None:
+    return None
+  critical = b0
+  for b in batches[1:]:
+    s = steps[b]
+    if s is None or s > SLACK * s0 * b0 / b:
+      break
+    critical = b
+  return critical
+
+
+def train_once(
+  task: Task,
+  name: str,
+  settings: dict[str, Any],
+  steps: int,
+  seed: int,
+  eval_every: int,
+  path: Path,
+  progress: bool,
+  extra: dict[str, Any],
+) -> dict[str, Any]:
+  """Trains one run into ``path`` and summarises it.
+
+  Steps and seconds to the target (None: missed), the final metric (None:
+  diverged, and no file) and the training seconds.
+  """
+  opt = optimizers.from_settings(name, settings)
+  try:
+    records = train(task, opt, steps, seed, eval_every, path, progress, extra_config=extra)
+  except FloatingPointError:
+    path.unlink(missing_ok=True)  # no earlier run's file under this run's name
+    return {
+      "steps_to_target": None,
+      "final_metric": None,
+      "diverged": True,
+      "seconds_to_target": None,
+      "training_seconds": None,
+    }
+  hit = to_target(records, task)
+  return {
+    "steps_to_target": None if hit is None else hit[0],
+    "final_metric": records[-1]["metric"],
+    "diverged": False,
+    "seconds_to_target": None if hit is None else hit[1],
+    "training_seconds": records[-1]["wall_seconds"],
+  }
+
+
+def result_line(
+  task: Task,
+  plan: Plan,
+  batch: int,
+  name: str,
+  trials: list[dict[str, Any]],
+  runs: list[dict[str, Any]],
+) -> Line:
+  """The ``scale.jsonl`` line of one optimizer at one batch."""
+  chosen = next(i for i, t in enumerate(trials) if t["chosen"])
+  steps = [r["steps_to_target"] for r in runs]
+  reached = sum(s is not None for s in steps)
+  return {
+    "task": task.name,
+    "batch": batch,
+    "budget": plan.budgets[batch],
+    "budget_overridden": plan.overridden,
+    "optimizer": name,
+    "metric_name": task.metric_name,
+    "target": task.target,
+    "higher_is_better": task.higher_is_better,
+    "eval_every": plan.eval_every,
+    "seeds": list(plan.seeds),
+    "validation_fraction": VALIDATION_FRACTION,
+    "trial_seed": TRIAL_SEED,
+    "centre": plan.centres[name],
+    "chosen_trial": chosen,
+    "chosen": trials[chosen]["settings"],
+    "grid": trials,
+    "runs": runs,
+    "reached": reached,
+    "mean_steps_to_target": sum(steps) / len(steps) if reached == len(steps) else None,
+    "versions": versions(),
+  }
+
+
+def run_batch(task: Task, plan: Plan, batch: int, out: Path, progress: bool) -> list[Line]:
+  """Sweeps every optimizer at ``batch`` on the validation split, then trains each seed.
+
+  The optimizers take turns, trial by trial, then seed by seed.
+  """
+  at_batch = dataclasses.replace(task, batch_size=batch)
+  val_task = with_validation(at_batch, VALIDATION_FRACTION)
+  steps = plan.budgets[batch]
+  common = {"study": FOLDER, "batch_size": batch, "budget_overridden": plan.overridden}
+  grids = {n: grid(plan.centres[n], batch) for n in plan.names}
+  trials: dict[str, list[dict[str, Any]]] = {n: [] for n in plan.names}
+  for i in range(len(LR_FACTORS)):
+    for n in plan.names:
+      path = out / f"{n}-b{batch}-trial{i}.jsonl"
+      extra = common | {"sweep_trial": i}
+      summary = train_once(
+        val_task, n, grids[n][i], steps, TRIAL_SEED, plan.eval_every, path, progress, extra
+      )
+      trials[n].append({"trial": i, "settings": grids[n][i], **summary, "chosen": False})
+  for n in plan.names:
+    trials[n][choose(val_task, trials[n])]["chosen"] = True
+  runs: dict[str, list[dict[str, Any]]] = {n: [] for n in plan.names}
+  for s in plan.seeds:
+    for n in plan.names:
+      chosen = next(t for t in trials[n] if t["chosen"])
+      path = out / f"{n}-b{batch}-seed{s}.jsonl"
+      extra = common | {"settings_from": f"scale sweep, trial {chosen['trial']}"}
+      summary = train_once(
+        at_batch, n, chosen["settings"], steps, s, plan.eval_every, path, progress, extra
+      )
+      runs[n].append({"seed": s, **summary})
+  return [result_line(task, plan, batch, n, trials[n], runs[n]) for n in plan.names]
+
+
+def rank(name: str) -> tuple[int, str]:
+  """Sort key of an optimizer: its place in `ORDER` (any other after, by name)."""
+  return ORDER.index(name) if name in ORDER else len(ORDER), name
+
+
+def order(line: Line) -> tuple[int, tuple[int, str]]:
+  """Sort key of ``scale.jsonl`` lines: by batch, then optimizer (`rank`)."""
+  return line["batch"], rank(line["optimizer"])
+
+
+def read_lines(path: Path) -> list[Line]:
+  """The lines of a ``scale.jsonl``."""
+  return [json.loads(text) for text in path.read_text().splitlines() if text.strip()]
+
+
+def write_lines(path: Path, lines: Sequence[Line]) -> None:
+  """Writes ``scale.jsonl`` atomically, sorted (`order`)."""
+  write_text(path, "".join(json.dumps(line) + "\n" for line in sorted(lines, key=order)))
+
+
+def mixed(lines: Sequence[Mapping[str, Any]]) -> str | None:
+  """How a task's lines differ in budget, evaluations or seeds; None when one table can hold them.
+
+  Lines of one batch must share its budget; overridden budgets (``--steps``)
+  must be one number for every line, and not mixed with the protocol's.
+  """
+  problems = []
+  for b in sorted({line["batch"] for line in lines}):
+    budgets = sorted({line["budget"] for line in lines if line["batch"] == b})
+    if len(budgets) > 1:
+      problems.append(f"batch {b}: budgets of {', '.join(map(str, budgets))} steps")
+  overridden = {line["budget_overridden"] for line in lines}
+  if len(overridden) > 1:
+    problems.append("budgets overridden (--steps) for some lines only")
+  elif overridden == {True} and len({line["budget"] for line in lines}) > 1:
+    problems.append("budgets overridden (--steps) with different steps")
+  every = sorted({line["eval_every"] for line in lines})
+  if len(every) > 1:
+    problems.append(f"evaluated every {', '.join(map(str, every))} steps")
+  seeds = sorted({tuple(line["seeds"]) for line in lines})
+  if len(seeds) > 1:
+    problems.append(f"seeds {'; '.join(' '.join(map(str, s)) for s in seeds)}")
+  return "; ".join(problems) or None
+
+
+def planned_lines(plan: Plan) -> list[Line]:
+  """Stand-ins for the lines a plan will write: what `mixed` compares."""
+  return [
+    {
+      "batch": b,
+      "optimizer": n,
+      "budget": plan.budgets[b],
+      "budget_overridden": plan.overridden,
+      "eval_every": plan.eval_every,
+      "seeds": list(plan.seeds),
+    }
+    for b in plan.batches
+    for n in plan.names
+  ]
+
+
+def kept_lines(path: Path, plan: Plan) -> list[Line]:
+  """The lines of an earlier ``scale.jsonl`` that the plan does not train again.
+
+  Raises `ValueError` when they were made with other budgets, evaluations or
+  seeds than the plan's (`mixed`): one table would mix them.
+  """
+  if not path.exists():
+    return []
+  again = {(b, n) for b in plan.batches for n in plan.names}
+  kept = [line for line in read_lines(path) if (line["batch"], line["optimizer"]) not in again]
+  problem = mixed([*kept, *planned_lines(plan)])
+  if problem is not None:
+    raise ValueError(
+      f"{path} holds results made with other budgets, evaluations or seeds ({problem}): "
+      "give another --out, or remove it"
+    )
+  return kept
+
+
+def study(task: Task, plan: Plan, out: Path, kept: Sequence[Line], progress: bool) -> list[Line]:
+  """Runs the study batch by batch into ``out`` and returns every line, ``kept`` ones included.
+
+  ``scale.jsonl`` is rewritten after each batch (the batches done so far and
+  ``kept``); ``scale.md`` and ``scale.png`` are written at the end.
+  """
+  out.mkdir(parents=True, exist_ok=True)
+  lines = list(kept)
+  for batch in plan.batches:
+    if progress:
+      print(f"{task.name}: batch {batch}, {plan.budgets[batch]} steps")
+    lines = sorted([*lines, *run_batch(task, plan, batch, out, progress)], key=order)
+    write_lines(out / LINES, lines)
+  write_text(out / "scale.md", report(lines) + "\n")
+  plot(lines, out / "scale.png")
+  return lines
+
+
+# The table.
+
+
+def by_batch(lines: Sequence[Line]) -> dict[int, dict[str, Line]]:
+  """The lines by batch (smallest first), then by optimizer."""
+  table: dict[int, dict[str, Line]] = {}
+  for line in sorted(lines, key=order):
+    table.setdefault(line["batch"], {})[line["optimizer"]] = line
+  return table
+
+
+def names_of(lines: Sequence[Line]) -> list[str]:
+  """The optimizers of the lines, in `ORDER`."""
+  return sorted({line["optimizer"] for line in lines}, key=rank)
+
+
+def mean_steps(at: Mapping[str, Line], name: str) -> float | None:
+  """The optimizer's mean steps to target at a batch (None: missed or not run)."""
+  line = at.get(name)
+  return None if line is None else line["mean_steps_to_target"]
+
+
+def steps_by_batch(table: Mapping[int, Mapping[str, Line]], name: str) -> dict[int, float | None]:
+  """The optimizer's mean steps to target at every batch of the study (None: missed or not run)."""
+  return {b: mean_steps(at, name) for b, at in table.items()}
+
+
+def best_baseline(at: Mapping[str, Line]) -> str | None:
+  """The first-order optimizer with the fewest mean steps to target at a batch, if any reached it."""
+  reached = [n for n in at if not is_kfac(n) and mean_steps(at, n) is not None]
+  return min(reached, key=lambda n: mean_steps(at, n)) if reached else None
+
+
+def steps_cell(line: Line | None) -> str:
+  """Mean steps to target, or ``missed (k/n)`` when not every seed reached it."""
+  if line is None:
+    return "not run"
+  if line["mean_steps_to_target"] is None:
+    return f"missed ({line['reached']}/{len(line['runs'])})"
+  return f"{line['mean_steps_to_target']:.0f}"
+
+
+def ratio_cell(at: Mapping[str, Line], kfac: str) -> str:
+  """K-FAC's steps to target relative to the best baseline's at a batch."""
+  best = best_baseline(at)
+  if kfac not in at:
+    return "not run"
+  if mean_steps(at, kfac) is None:
+    return f"{NAMES.get(kfac, kfac)} missed"
+  if best is None:
+    return "no baseline reached"
+  if mean_steps(at, best) == 0:
+    return "baseline at step 0"
+  return f"{mean_steps(at, kfac) / mean_steps(at, best):.2f}x ({NAMES.get(best, best)})"
+
+
+def critical_text(table: Mapping[int, Mapping[str, Line]], name: str) -> str:
+  """One optimizer's critical batch as a list item."""
+  steps = steps_by_batch(table, name)
+  b0, largest = min(steps), max(steps)
+  critical = critical_batch(steps)
+  label = NAMES.get(name, name)
+  if critical is None:
+    why = "not run" if name not in table[b0] else "missed the target"
+    return f"* {label}: undefined ({why} at batch {b0})"
+  bound = " (the largest batch studied: at least that)" if critical == largest else ""
+  return f"* {label}: {critical}{bound}; {steps[b0]:.0f} steps at batch {b0}"
+
+
+def merits(table: Mapping[int, Mapping[str, Line]], names: Sequence[str]) -> list[str]:
+  """The figures of merit: each K-FAC variant's critical batch and steps against the baselines'."""
+  label = {n: NAMES.get(n, n) for n in names}
+  critical = {n: critical_batch(steps_by_batch(table, n)) for n in names}
+  baselines = [(critical[n], n) for n in names if not is_kfac(n) and critical[n] is not None]
+  top = max(baselines, key=lambda c: c[0]) if baselines else None
+  reached = [b for b, at in table.items() if best_baseline(at) is not None]
+  largest = max(reached) if reached else None
+  out = []
+  for k in (n for n in names if is_kfac(n)):
+    head = f"{label[k]}'s critical batch / the best baseline's"
+    if critical[k] is None:
+      out.append(f"* {head}: undefined ({label[k]} has none).")
+    elif top is None:
+      out.append(f"* {head}: undefined (no baseline has one).")
+    else:
+      ratio = critical[k] / top[0]
+      out.append(f"* {head} ({label[top[1]]}, {top[0]}): {ratio:.2f}x ({critical[k]} / {top[0]}).")
+    if largest is None:
+      out.append(
+        f"* {label[k]}'s steps against a baseline's at the largest batch it reaches: "
+        "undefined (no baseline reaches the target at any batch)."
+      )
+      continue
+    at = table[largest]
+    best = best_baseline(at)
+    head = (
+      f"* At batch {largest}, the largest where a baseline reaches the target "
+      f"({label.get(best, best)}, {mean_steps(at, best):.0f} steps)"
+    )
+    if mean_steps(at, k) is None:
+      done = "not run" if k not in at else f"missed ({at[k]['reached']}/{len(at[k]['runs'])})"
+      out.append(f"{head}: {label[k]} {done}.")
+    elif mean_steps(at, best) == 0:
+      out.append(f"{head}: no ratio (the baseline met it at step 0).")
+    else:
+      ratio = mean_steps(at, k) / mean_steps(at, best)
+      out.append(f"{head}: {label[k]} {ratio:.2f}x its steps ({mean_steps(at, k):.0f}).")
+  return out
+
+
+def chosen_text(table: Mapping[int, Mapping[str, Line]], name: str) -> str:
+  """The grid point each batch chose for an optimizer, as factors of ``c * sqrt(B / 128)``."""
+  chosen = [FACTOR_LABELS[at[name]["chosen_trial"]] if name in at else "-" for at in table.values()]
+  return f"{NAMES.get(name, name)} {', '.join(chosen)}"
+
+
+def report(lines: Sequence[Line]) -> str:
+  """A task's study as Markdown: the table by batch, the critical batches, the figures of merit."""
+  table = by_batch(lines)
+  names = names_of(lines)
+  kfacs = [n for n in names if is_kfac(n)]
+  first = lines[0]
+  direction = ">=" if first["higher_is_better"] else "<="
+  budgets = {b: next(iter(at.values()))["budget"] for b, at in table.items()}
+  overridden = first["budget_overridden"]
+  budget_text = (
+    f"budget overridden: {first['budget']} steps at every batch"
+    if overridden
+    else "step budgets " + ", ".join(f"{budgets[b]} at batch {b}" for b in table)
+  )
+  columns = [NAMES.get(n, n) for n in names] + [f"{NAMES.get(k, k)} / best baseline" for k in kfacs]
+  b0 = min(table)
+  out = [
+    f"### {first['task']}: steps to {first['metric_name']} {direction} {first['target']:g} "
+    "against the batch size",
+    "",
+    f"Seeds {' '.join(map(str, first['seeds']))}, evaluated every {first['eval_every']} steps; "
+    f"{budget_text}. At each batch B every optimizer's learning rate is chosen from "
+    f"c x sqrt(B/{REFERENCE_BATCH}) x (1/3, 1, 3), c its batch-{REFERENCE_BATCH} setting "
+    "(K-FAC's damping stays at its own), on a "
+    f"{first['validation_fraction'] * 100:g} % validation split: the fewest steps to the target, else "
+    "the best final metric. Cells: test steps to the target, mean over seeds, or missed (k/n) "
+    "when not every seed reached it within the budget; K-FAC / best baseline: steps relative "
+    "to the first-order optimizer with the fewest.",
+    "",
+    "| batch | budget | " + " | ".join(columns) + " |",
+    "|---|---|" + "---|" * len(columns),
+  ]
+  for b, at in table.items():
+    cells = [steps_cell(at.get(n)) for n in names] + [ratio_cell(at, k) for k in kfacs]
+    out.append(f"| {b} | {budgets[b]} | " + " | ".join(cells) + " |")
+  out += [
+    "",
+    f"Critical batch: the largest batch B reached, as every batch from {b0} up to it, in at most "
+    f"{SLACK:g} x S0 x {b0} / B steps (S0: the steps at batch {b0}, the smallest):",
+    "",
+    *(critical_text(table, n) for n in names),
+    "",
+    "Figures of merit:",
+    "",
+    *(merits(table, names) or ["* none: no K-FAC variant studied."]),
+    "",
+    f"Learning rate chosen at batches {', '.join(map(str, table))}, "
+    f"as a factor of c x sqrt(B/{REFERENCE_BATCH}): "
+    + "; ".join(chosen_text(table, n) for n in names)
+    + ".",
+  ]
+  return "\n".join(out)
+
+
+# The figure.
+
+
+def plot(lines: Sequence[Line], path: Path) -> None:
+  """Steps to target against batch size, log-log, one line per optimizer.
+
+  A filled marker where every seed reached the target, a hollow triangle at
+  the budget where not; a dashed line of perfect scaling from each
+  optimizer's smallest-batch point.
+  """
+  table = by_batch(lines)
+  batches = list(table)
+  first = lines[0]
+  fig, ax = plt.subplots(figsize=(7, 5))
+  for i, name in enumerate(names_of(lines)):
+    color = f"C{i}"
+    steps = steps_by_batch(table, name)
+    ys = np.array([np.nan if s is None or s <= 0 else s for s in steps.values()], float)
+    ax.plot(batches, ys, marker="o", color=color, label=NAMES.get(name, name))
+    missed = [(b, at[name]["budget"]) for b, at in table.items() if name in at and steps[b] is None]
+    if missed:
+      xs, budget = zip(*missed)
+      ax.scatter(xs, budget, marker="v", s=60, facecolors="none", edgecolors=color)
+    b0 = batches[0]
+    if steps[b0] is not None and steps[b0] > 0:
+      ideal = [steps[b0] * b0 / b for b in batches]
+      ax.plot(batches, ideal, linestyle="--", linewidth=0.8, color=color, alpha=0.7)
+  handles, labels = ax.get_legend_handles_labels()
+  handles += [
+    Line2D([], [], linestyle="--", color="gray", linewidth=0.8),
+    Line2D([], [], marker="v", linestyle="", markerfacecolor="none", color="gray"),
+  ]
+  labels += ["perfect scaling from the smallest batch", "missed (drawn at the budget)"]
+  direction = ">=" if first["higher_is_better"] else "<="
+  title = f"{first['task']}: steps to {first['metric_name']} {direction} {first['target']:g}"
+  if first["budget_overridden"]:
+    title += f" (budget overridden: {first['budget']} steps)"
+  ax.set_title(title)
+  ax.set_xscale("log")
+  ax.set_yscale("log")
+  ax.set_xticks(batches)
+  ax.set_xticklabels([str(b) for b in batches])
+  ax.xaxis.set_minor_locator(NullLocator())
+  ax.yaxis.set_major_formatter(LogFormatter())  # 20, 50, 100 rather than 2 x 10^1
+  ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
+  ax.set_xlabel("batch size")
+  ax.set_ylabel("steps to target (mean over seeds)")
+  ax.grid(alpha=0.3)
+  ax.legend(handles, labels)
+  fig.tight_layout()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  try:
+    with atomic_open(path, "wb") as f:
+      fig.savefig(f, format="png", dpi=110)
+  finally:
+    plt.close(fig)

@@ -1,0 +1,236 @@
+"""Planning: which grad worker fraction to use on a cluster, and what each one costs.
+
+KAISA's grad worker fraction ``f`` trades memory for communication: with
+``W = f N`` grad workers per group, each device stores the decompositions of
+its whole group (``W`` devices' worth) and preconditions its group's layers;
+fewer, larger groups (``f`` near 1) store more and share preconditioned
+gradients less. `plan_fractions` lays the layers out for every valid ``f`` on
+``N`` devices exactly as `kaisa_jax.kfac` would and reports, per device:
+
+* second-order memory: the factor buffer and the decomposition buffers of the
+  group, in bytes (exact: these are the shapes of `kaisa_jax.KFACState`);
+* K-FAC's projected seconds per step (a model, `kaisa_jax.projection`):
+  factor statistics of every layer on the device's rows (every
+  ``factor_update_steps``), decompositions of the factors it owns (every
+  ``inv_update_steps``) and preconditioning of its group's layers (every
+  step), in flops from `kaisa_jax.cost` over the cluster's FLOP/s; plus the
+  collectives of each phase (`kaisa_jax.projection.modelled_collectives`).
+  The model's own forward and backward pass is the same for every ``f`` and
+  left out.
+
+It recommends the fastest fraction whose memory fits ``memory_budget`` (ties:
+the one using less memory).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fractions
+from typing import Any
+
+import numpy as np
+
+from kaisa_jax import cost, distribution, preconditioning, projection, transform
+from kaisa_jax.capture import Layers
+
+PLANNED_AXIS = "planned"
+
+
+@dataclasses.dataclass(frozen=True)
+class FractionOption:
+  """One grad worker fraction on ``N`` devices, per device.
+
+  Attributes:
+    fraction: ``f = W / N``.
+    grad_workers: ``W``.
+    factor_memory: bytes of factors stored.
+    decomposition_memory: bytes of decompositions stored (the group's).
+    compute: projected seconds of K-FAC compute per step.
+    communication: projected seconds of K-FAC's collectives per step.
+    fits: whether the memory is within the budget.
+  """
+
+  fraction: fractions.Fraction
+  grad_workers: int
+  factor_memory: int
+  decomposition_memory: int
+  compute: float
+  communication: float
+  fits: bool
+
+  @property
+  def memory(self) -> int:
+    """Second-order bytes per device: factors and decompositions."""
+    return self.factor_memory + self.decomposition_memory
+
+  @property
+  def seconds(self) -> float:
+    """Projected seconds of K-FAC per step."""
+    return self.compute + self.communication
+
+
+@dataclasses.dataclass(frozen=True)
+class FractionPlan:
+  """Every valid fraction on ``devices`` devices and the recommended one.
+
+  Attributes:
+    devices: ``N``.
+    cluster: the cluster the times are projected for.
+    memory_budget: bytes per device allowed for K-FAC's state (``None``: any).
+    options: one `FractionOption` per valid fraction, ``W`` from 1 to ``N``.
+    recommended: the fastest fraction that fits (ties: less memory); pass it
+      as ``grad_worker_fraction``. ``None`` if none fits.
+  """
+
+  devices: int
+  cluster: projection.Cluster
+  memory_budget: float | None
+  options: tuple[FractionOption, ...]
+  recommended: fractions.Fraction | None
+
+  def __str__(self) -> str:
+    budget = "none" if self.memory_budget is None else _bytes(self.memory_budget)
+    lines = [
+      f"K-FAC grad worker fraction on {self.devices} device(s) of {self.cluster.name}; "
+      f"memory budget {budget} per device; times PROJECTED ({self.cluster.source})",
+      f"{'f':>7} {'W':>4} {'factors':>11} {'decomps':>11} {'total':>11} {'fits':>5}"
+      f" {'compute ms':>11} {'comm ms':>9} {'K-FAC ms':>9}",
+    ]
+    for o in self.options:
+      mark = "  <- recommended" if o.fraction == self.recommended else ""
+      lines.append(
+        f"{o.fraction!s:>7} {o.grad_workers:>4} {_bytes(o.factor_memory):>11}"
+        f" {_bytes(o.decomposition_memory):>11} {_bytes(o.memory):>11} {'yes' if o.fits else 'no':>5}"
+        f" {1e3 * o.compute:>11.4f} {1e3 * o.communication:>9.4f} {1e3 * o.seconds:>9.4f}{mark}"
+      )
+    if self.recommended is None:
+      lines.append("no fraction fits the memory budget: raise it, or use more devices")
+    return "\n".join(lines)
+
+
+def _bytes(n: float) -> str:
+  """Bytes in KiB, MiB or GiB, whichever keeps the number below 1024."""
+  for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
+    if n >= size:
+      return f"{n / size:.2f} {unit}"
+  return f"{n / 2**10:.1f} KiB"
+
+
+def _compute_seconds(
+  plan: transform.Plan,
+  cluster: projection.Cluster,
+  factor_update_steps: int,
+  inv_update_steps: int,
+) -> float:
+  """Per-device K-FAC compute per step of the busiest device, from `kaisa_jax.cost`."""
+  layout = plan.layout
+  layers = plan.layers
+  factors = sum(cost.factor_flops(s, t) for s, t in layers)
+  decompositions = max(
+    sum(cost.decomposition_flops(*layers[i]) for i in layout.owned(r, c))
+    for r in range(layout.rows)
+    for c in range(layout.cols)
+  )
+  preconditioning_flops = max(
+    sum(cost.preconditioning_flops(*layers[i]) for i in layout.group(r)) for r in range(layout.rows)
+  )
+  flops = factors / factor_update_steps + decompositions / inv_update_steps + preconditioning_flops
+  return flops / cluster.flops_per_s
+
+
+def plan_fractions(
+  layers: Layers,
+  n_devices: int,
+  cluster: projection.Cluster,
+  memory_budget: float | None = None,
+  *,
+  factor_update_steps: int = 10,
+  inv_update_steps: int = 100,
+  compute_method: str = preconditioning.EIGEN,
+  max_cost_ratio: float | None = 4.0,
+  assignment_cost: str = "compute",
+  factor_dtype: Any = "float32",
+) -> FractionPlan:
+  """Memory and projected K-FAC time per step of every grad worker fraction.
+
+  Args:
+    layers: the model's layers traced at the per-device batch
+      (``grad_fn.layers(params, local_batch)``).
+    n_devices: ``N``, the data-parallel devices.
+    cluster: the hardware (`kaisa_jax.projection.DGX_A100`, ``DGX_H100``, or a
+      `kaisa_jax.projection.Cluster` of your own).
+    memory_budget: bytes per device K-FAC's factors and decompositions may use
+      (``None``: no limit).
+    factor_update_steps, inv_update_steps, compute_method, max_cost_ratio,
+      assignment_cost, factor_dtype: as given to `kaisa_jax.kfac`; they decide
+      each layer's treatment, its owner and the cadence of the phases.
+
+  Returns:
+    A `FractionPlan`; ``print`` it for a table, pass ``.recommended`` as
+    ``grad_worker_fraction``.
+  """
+  if not isinstance(layers, Layers):
+    raise TypeError(
+      f"plan_fractions takes the model's layers (grad_fn.layers(...)), got {type(layers).__name__}"
+    )
+  if isinstance(n_devices, bool) or not isinstance(n_devices, int) or n_devices < 1:
+    raise ValueError(f"n_devices must be an int >= 1, got {n_devices!r}")
+  if not isinstance(cluster, projection.Cluster):
+    raise TypeError(
+      f"cluster must be a kaisa_jax.projection.Cluster (e.g. kaisa_jax.projection.DGX_A100), "
+      f"got {type(cluster).__name__}"
+    )
+  if memory_budget is not None and not (np.isfinite(memory_budget) and memory_budget > 0):
+    raise ValueError(
+      f"memory_budget must be a positive number of bytes or None, got {memory_budget}"
+    )
+  for name, steps in (
+    ("factor_update_steps", factor_update_steps),
+    ("inv_update_steps", inv_update_steps),
+  ):
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+      raise ValueError(f"{name} must be an int >= 1, got {steps!r}")
+  if compute_method not in preconditioning.METHODS:
+    raise ValueError(
+      f"compute_method must be one of {preconditioning.METHODS}, got {compute_method!r}"
+    )
+  factor_dtype = np.dtype(factor_dtype)
+  dec_itemsize = np.dtype(preconditioning.decomposition_dtype(factor_dtype)).itemsize
+  options = []
+  for w in (w for w in range(1, n_devices + 1) if n_devices % w == 0):
+    comm = distribution.Collectives("pmap", n_devices // w, w, PLANNED_AXIS)
+    plan = transform.make_plan(
+      layers,
+      comm,
+      compute_method=compute_method,
+      inv_update_steps=inv_update_steps,
+      max_cost_ratio=max_cost_ratio,
+      assignment_cost=assignment_cost,
+      factor_dtype=factor_dtype,
+    )
+    layout = plan.layout
+    factor_memory = layout.factor_size * factor_dtype.itemsize
+    decomposition_memory = layout.cols * layout.decomposition_size * dec_itemsize
+    collectives = projection.modelled_collectives(
+      layout, n_devices, gradient_bytes=None, itemsize=factor_dtype.itemsize
+    )
+    communication = projection.communication_seconds(
+      cluster, collectives, n_devices, w, factor_update_steps, inv_update_steps
+    )
+    memory = factor_memory + decomposition_memory
+    options.append(
+      FractionOption(
+        fraction=fractions.Fraction(w, n_devices),
+        grad_workers=w,
+        factor_memory=factor_memory,
+        decomposition_memory=decomposition_memory,
+        compute=_compute_seconds(plan, cluster, factor_update_steps, inv_update_steps),
+        communication=sum(communication.values()),
+        fits=memory_budget is None or memory <= memory_budget,
+      )
+    )
+  fitting = [o for o in options if o.fits]
+  best = min(fitting, key=lambda o: (o.seconds, o.memory), default=None)
+  return FractionPlan(
+    n_devices, cluster, memory_budget, tuple(options), None if best is None else best.fraction
+  )

@@ -1,0 +1,578 @@
+"""Projection: the time of a train step on a described cluster. A model, not a measurement.
+
+Nothing here runs on the cluster it describes. From a train step compiled for
+one device at the per-device batch (the global batch over ``N``), it projects
+the seconds per step on ``N`` data-parallel devices:
+
+* compute: ``(flops + lapack_flops) / flops_per_s + bytes / memory_bandwidth``
+  per device, from XLA's cost analysis of the compiled program (``flops`` and
+  ``bytes accessed``) and the LAPACK decompositions it does not count
+  (`lapack_flops`: ``9 n^3`` per ``eigh``, ``n^3 / 3`` per Cholesky). XLA
+  counts a ``lax.cond`` as if its branch always ran, so K-FAC's factor and
+  decomposition phases are compiled on their own (`kfac_work`) and amortised by
+  their cadence; on ``N`` devices with grad worker fraction ``f`` each device
+  decomposes only the factors it owns and preconditions only its group's
+  layers, the largest share of any device (from the layout, weighted by each
+  layer's flops, `kaisa_jax.cost`) setting the pace.
+* communication: per collective, ``latency + moved_bytes / bandwidth``, with
+  the bytes a ring algorithm moves per device (`kaisa_jax.accounting.moved`)
+  over the bandwidth within a node, or across nodes when the collective's
+  devices span several nodes; amortised by the cadence of its K-FAC phase. The
+  bytes come from the HLO of a compiled ``N``-device program when one is given
+  (`kaisa_jax.accounting.hlo_collectives`), else from the layout
+  (`kaisa_jax.accounting.communication_model`) and the data-parallel gradient
+  all-reduce.
+
+Compute and communication are added, not overlapped. `Cluster` describes the
+hardware; `DGX_A100` and `DGX_H100` take their figures from NVIDIA's data
+sheets (peak rates: the projection is then optimistic by the kernels'
+efficiency), and `measure_host` times this machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fractions
+import os
+import re
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kaisa_jax import accounting, assignment, cost, distribution, transform
+
+GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+  """A cluster of identical devices, as the projection sees it.
+
+  Attributes:
+    name: what it is, printed with every projection.
+    flops_per_s: sustained float32 FLOP/s of one device.
+    memory_bandwidth: bytes/s between one device and its memory.
+    intra_node_bandwidth: bytes/s one device sends in a collective among
+      devices of one node (one direction).
+    inter_node_bandwidth: bytes/s one device sends in a collective that spans
+      nodes (one direction).
+    devices_per_node: devices in one node.
+    latency: seconds each collective costs on top of its bytes.
+    memory: bytes of memory per device.
+    kernel_overhead: seconds each kernel (each operation a compiled program
+      launches) costs on top of its flops and bytes.
+    source: where the figures come from.
+  """
+
+  name: str
+  flops_per_s: float
+  memory_bandwidth: float
+  intra_node_bandwidth: float
+  inter_node_bandwidth: float
+  devices_per_node: int
+  latency: float
+  memory: float
+  kernel_overhead: float
+  source: str = ""
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if field.type == "float" and not (np.isfinite(value) and value > 0):
+        raise ValueError(f"Cluster {field.name} must be a positive number, got {value!r}")
+    if not isinstance(self.devices_per_node, int) or self.devices_per_node < 1:
+      raise ValueError(f"Cluster devices_per_node must be an int >= 1, got {self.devices_per_node}")
+
+  def bandwidth(self, spans_nodes: bool) -> float:
+    """Bytes/s per device of a collective within a node, or spanning nodes."""
+    return self.inter_node_bandwidth if spans_nodes else self.intra_node_bandwidth
+
+
+# NVIDIA A100 Tensor Core GPU data sheet (SXM4 80GB): FP32 19.5 TFLOP/s, HBM2e
+# 2,039 GB/s, NVLink 600 GB/s (both directions); DGX A100 data sheet: 8 GPUs,
+# 8 single-port 200 Gb/s InfiniBand adapters (one per GPU). Assumptions, not
+# data-sheet figures: the latency of a small NCCL collective (10 us) and of a
+# CUDA kernel launch (4 us; XLA's command buffers can hide part of it).
+DGX_A100 = Cluster(
+  name="DGX A100 (8x A100-SXM4-80GB, NVLink, 200 Gb/s InfiniBand per GPU)",
+  flops_per_s=19.5e12,
+  memory_bandwidth=2039 * GB,
+  intra_node_bandwidth=300 * GB,
+  inter_node_bandwidth=25 * GB,
+  devices_per_node=8,
+  latency=10e-6,
+  memory=80 * GB,
+  kernel_overhead=4e-6,
+  source="NVIDIA A100 and DGX A100 data sheets (peak FP32); latency and kernel launch assumed",
+)
+# NVIDIA H100 Tensor Core GPU data sheet (SXM5): FP32 67 TFLOP/s, HBM3 3.35 TB/s,
+# NVLink 900 GB/s (both directions); DGX H100 data sheet: 8 GPUs, 400 Gb/s
+# ConnectX-7 per GPU.
+DGX_H100 = Cluster(
+  name="DGX H100 (8x H100-SXM5-80GB, NVLink, 400 Gb/s InfiniBand per GPU)",
+  flops_per_s=67e12,
+  memory_bandwidth=3350 * GB,
+  intra_node_bandwidth=450 * GB,
+  inter_node_bandwidth=50 * GB,
+  devices_per_node=8,
+  latency=10e-6,
+  memory=80 * GB,
+  kernel_overhead=4e-6,
+  source="NVIDIA H100 and DGX H100 data sheets (peak FP32); latency and kernel launch assumed",
+)
+PRESETS = {"dgx_a100": DGX_A100, "dgx_h100": DGX_H100}
+
+
+def _median_seconds(fn, *args, repeats: int) -> float:
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def _kernel_overhead() -> float:
+  """Seconds per kernel: a chain of 8x8 products and tanh, 110 links less 10, per kernel."""
+
+  def chain(links):
+    def f(x):
+      for _ in range(links):
+        x = jnp.tanh(x @ x)
+      return x
+
+    return jax.jit(f)
+
+  x = jnp.full((8, 8), 0.1, jnp.float32)
+  short, long = chain(10), chain(110)
+  kernels = kernel_count(long.lower(x).compile().as_text()) - kernel_count(
+    short.lower(x).compile().as_text()
+  )
+  extra = _median_seconds(long, x, repeats=30) - _median_seconds(short, x, repeats=30)
+  return max(extra, 1e-9) / max(kernels, 1.0)
+
+
+def measure_host(name: str = "this host", batch: int = 128, width: int = 256) -> Cluster:
+  """This machine's first device, measured by small programs timed at call.
+
+  ``flops_per_s``: the rate of a training-shaped float32 workload, the forward
+  and backward pass of two ``width x width`` dense layers on ``batch`` rows
+  (three matmuls per layer, the shapes a small model's step runs), its flops
+  from XLA's cost analysis; ``memory_bandwidth``: bytes read and written per
+  second by ``x + 1`` on 4 MB (cache-sized, as a step's buffers are); the
+  latency: that of a jitted call on a scalar; ``kernel_overhead``: the time
+  per kernel of a chain of tiny products. Devices of a host share its
+  memory, so both collective bandwidths are the memory bandwidth and the host
+  is one node.
+  """
+  x = jnp.ones((batch, width), jnp.float32)
+  w = jnp.full((width, width), 0.01, jnp.float32)
+  dense = jax.jit(jax.grad(lambda w, x: jnp.sum(jnp.tanh(jnp.tanh(x @ w) @ w)), argnums=(0, 1)))
+  flops = program_cost(dense.lower(w, x).compile()).flops / _median_seconds(dense, w, x, repeats=30)
+  stream = jax.jit(lambda v: v + 1.0)
+  v = jnp.ones((2**20,), jnp.float32)
+  bandwidth = 2.0 * v.nbytes / _median_seconds(stream, v, repeats=30)
+  latency = _median_seconds(jax.jit(lambda s: s + 1.0), jnp.float32(0), repeats=50)
+  kernel_overhead = _kernel_overhead()
+  try:
+    memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+  except (ValueError, OSError, AttributeError):  # pragma: no cover: not POSIX
+    memory = 1e9
+  return Cluster(
+    name=f"{name} ({jax.devices()[0].device_kind})",
+    flops_per_s=flops,
+    memory_bandwidth=bandwidth,
+    intra_node_bandwidth=bandwidth,
+    inter_node_bandwidth=bandwidth,
+    devices_per_node=jax.local_device_count(),
+    latency=latency,
+    memory=memory,
+    kernel_overhead=kernel_overhead,
+    source=f"measured: 2 dense layers {width} wide, forward and backward on {batch} rows; "
+    "x + 1 on 4 MB; a scalar call; chains of tiny kernels",
+  )
+
+
+def cluster_of(device: Any) -> Cluster:
+  """The preset for a device's kind (A100, H100); raises for any other kind."""
+  kind = getattr(device, "device_kind", str(device))
+  for key, preset in (("A100", DGX_A100), ("H100", DGX_H100)):
+    if key in kind:
+      return preset
+  raise ValueError(
+    f"no cluster preset for device kind {kind!r} (presets: A100, H100): describe it with "
+    "kaisa_jax.projection.Cluster(...) and pass grad_worker_fraction="
+    "kaisa_jax.plan_fractions(layers, n_devices, cluster).recommended"
+  )
+
+
+class ProgramCost(NamedTuple):
+  """What XLA's cost analysis says of a compiled program, and what it leaves out.
+
+  Attributes:
+    flops: floating-point operations XLA counts.
+    lapack_flops: those of the LAPACK decompositions it does not count.
+    bytes: bytes its operations read and write.
+    kernels: operations it launches (`kernel_count`).
+  """
+
+  flops: float
+  lapack_flops: float
+  bytes: float
+  kernels: float = 0.0
+
+  def __add__(self, other: ProgramCost) -> ProgramCost:  # type: ignore[override]
+    return ProgramCost(*(a + b for a, b in zip(self, other, strict=True)))
+
+  def scaled(self, factor: float) -> ProgramCost:
+    return ProgramCost(*(factor * a for a in self))
+
+  def seconds(self, cluster: Cluster) -> float:
+    """``(flops + lapack_flops) / flops_per_s + bytes / memory_bandwidth + kernels * kernel_overhead``."""
+    return (
+      (self.flops + self.lapack_flops) / cluster.flops_per_s
+      + self.bytes / cluster.memory_bandwidth
+      + self.kernels * cluster.kernel_overhead
+    )
+
+
+_LAPACK = re.compile(r'custom_call_target="([^"]*(?:syevd|potrf|heevd)[^"]*)"')
+
+
+def lapack_flops(hlo: str) -> float:
+  """Flops of the LAPACK custom calls in an HLO text: ``9 n^3`` per eigh, ``n^3 / 3`` per Cholesky."""
+  total = 0.0
+  for line in hlo.splitlines():
+    target = _LAPACK.search(line)
+    if target is None:
+      continue
+    operand = re.search(r"custom-call\((?:[a-z0-9]+)\[([\d,]+)\]", line)
+    if operand is None:
+      operand = re.search(r"= \(?\w+\[([\d,]+)\]", line)
+    dims = [int(d) for d in operand.group(1).split(",")]
+    n, batch = dims[-1], int(np.prod(dims[:-2]))
+    total += batch * (1.0 / 3.0 if "potrf" in target.group(1) else 9.0) * n**3
+  return total
+
+
+_COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*.*?\s([a-z][\w\-]*)\(")
+_NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all"}
+_CALLED = re.compile(
+  r"(?:branch_computations=\{([^}]*)\}|(?:true|false)_computation=%?([\w.\-]+)|body=%?([\w.\-]+))"
+)
+
+
+def kernel_count(hlo: str) -> float:
+  """Operations a compiled program launches, from its HLO text.
+
+  Every instruction of the entry computation but parameters, constants and
+  tuple plumbing counts one (a fusion is one kernel); a conditional counts its
+  largest branch (as XLA's cost analysis counts its flops, as if the branch
+  always ran), a loop its body once.
+  """
+  computations: dict[str, list[str]] = {}
+  entry, current = None, None
+  for line in hlo.splitlines():
+    header = _COMPUTATION.match(line)
+    if header:
+      current = header.group(2)
+      computations[current] = []
+      entry = current if header.group(1) else entry
+    elif line.startswith("}"):
+      current = None
+    elif current is not None:
+      computations[current].append(line)
+
+  def count(name: str, depth: int = 0) -> float:
+    total = 0.0
+    for line in computations.get(name, ()):
+      op = _INSTRUCTION.search(line)
+      if op is None or op.group(1) in _NOT_KERNELS:
+        continue
+      if op.group(1) in ("conditional", "while") and depth < 16:
+        called = []
+        for m in _CALLED.finditer(line):
+          names = m.group(1).split(",") if m.group(1) else [m.group(2) or m.group(3)]
+          called += [n.strip().lstrip("%") for n in names]
+        total += max((count(c, depth + 1) for c in called), default=0.0)
+      else:
+        total += 1.0
+    return total
+
+  return count(entry) if entry is not None else 0.0
+
+
+def program_cost(compiled: Any) -> ProgramCost:
+  """The cost of a compiled program (``jax.jit(f).lower(...).compile()``)."""
+  analysis = compiled.cost_analysis()
+  analysis = analysis[0] if isinstance(analysis, list) else analysis
+  text = compiled.as_text()
+  return ProgramCost(
+    float(analysis.get("flops", 0.0)),
+    lapack_flops(text),
+    float(analysis.get("bytes accessed", 0.0)),
+    kernel_count(text),
+  )
+
+
+def cost_of(fn: Any, *args: Any) -> ProgramCost:
+  """`program_cost` of ``jax.jit(fn)`` compiled for ``args``."""
+  return program_cost(jax.jit(fn).lower(*args).compile())
+
+
+@dataclasses.dataclass(frozen=True)
+class KFACWork:
+  """K-FAC's phases on one device, to amortise and to split over devices.
+
+  Attributes:
+    plan: the plan of a `kaisa_jax.kfac` built for one device.
+    factors: cost of one factor update (statistics of every layer's rows).
+    decompositions: cost of decomposing every factor once.
+    preconditioning: cost of preconditioning every layer's gradient once.
+    factor_update_steps: the cadence of the factor updates.
+    inv_update_steps: the cadence of the decompositions.
+  """
+
+  plan: transform.Plan
+  factors: ProgramCost
+  decompositions: ProgramCost
+  preconditioning: ProgramCost
+  factor_update_steps: int
+  inv_update_steps: int
+
+
+def kfac_work(
+  kfac: transform.KFAC,
+  state: transform.KFACState,
+  grads: Any,
+  curvature: Any,
+  factor_update_steps: int,
+  inv_update_steps: int,
+) -> KFACWork:
+  """Compiles K-FAC's three phases alone and returns their costs.
+
+  Args:
+    kfac: a `kaisa_jax.kfac` built for one device (no ``mesh=``/``axis_name=``).
+    state: its state (``kfac.init(params)``, or any later one).
+    grads: gradients shaped like the params.
+    curvature: the curvature from ``kaisa_jax.value_and_grad`` on the same batch.
+    factor_update_steps, inv_update_steps: the cadence ``kfac`` was built with.
+  """
+  plan = kfac.plan
+  if plan.collectives.mode != "single":
+    raise ValueError(
+      "kfac_work needs a kfac built for one device (no mesh= or axis_name=): the projection "
+      "splits its phases over the devices itself"
+    )
+  hp_steps = (factor_update_steps, inv_update_steps)
+  if any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in hp_steps):
+    raise ValueError(f"the cadences must be ints >= 1, got {hp_steps}")
+  comm = plan.collectives
+  damping, decay = jnp.float32(1e-2), jnp.float32(0.95)
+  dtype = plan.factor_dtype
+  dec_dtype = state.decompositions.dtype
+  layer_grads = transform._layer_params(grads, plan, "gradients")
+  return KFACWork(
+    plan=plan,
+    factors=cost_of(
+      lambda s, c: transform.update_factors(plan, s, c, decay, dtype, comm), state, curvature
+    ),
+    decompositions=cost_of(lambda s: transform.decompose_factors(plan, s, damping, comm), state),
+    preconditioning=cost_of(
+      lambda g, d: transform.precondition_grads(plan, g, d, damping, dec_dtype, comm),
+      layer_grads,
+      state.decompositions,
+    ),
+    factor_update_steps=factor_update_steps,
+    inv_update_steps=inv_update_steps,
+  )
+
+
+def layout_for(plan: transform.Plan, devices: int, fraction: float | str) -> assignment.Layout:
+  """The layout `kaisa_jax.kfac` makes for ``plan``'s layers on ``devices`` with ``fraction``."""
+  cols = distribution.grad_workers(fraction, devices)
+  return assignment.make_layout(plan.layers, devices // cols, cols, plan.layout.cost_kind)
+
+
+def busiest_shares(plan: transform.Plan, layout: assignment.Layout) -> tuple[float, float]:
+  """The largest share of all decomposition flops one device owns, and of preconditioning one group runs."""
+  layers = plan.layers
+  dec = [cost.decomposition_flops(s, t) for s, t in layers]
+  pre = [cost.preconditioning_flops(s, t) for s, t in layers]
+  devices = [(r, c) for r in range(layout.rows) for c in range(layout.cols)]
+  dec_share = max(sum(dec[i] for i in layout.owned(*d)) for d in devices) / max(sum(dec), 1.0)
+  pre_share = max(sum(pre[i] for i in layout.group(r)) for r in range(layout.rows)) / max(
+    sum(pre), 1.0
+  )
+  return dec_share, pre_share
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+  """A projected step: seconds of compute and of communication per phase.
+
+  Attributes:
+    cluster: the cluster's name.
+    devices: ``N``.
+    fraction: the grad worker fraction (``None`` without K-FAC).
+    compute: seconds of compute per step (K-FAC's phases amortised).
+    communication: seconds per step by phase (``"other"`` is the gradient
+      all-reduce of data parallelism).
+  """
+
+  cluster: str
+  devices: int
+  fraction: str | None
+  compute: float
+  communication: dict[str, float]
+
+  @property
+  def total(self) -> float:
+    """Projected seconds per step: compute plus communication, no overlap."""
+    return self.compute + sum(self.communication.values())
+
+  def __str__(self) -> str:
+    comm = ", ".join(f"{k} {1e3 * v:.3f} ms" for k, v in self.communication.items() if v)
+    where = f"{self.devices} device(s)" + (f", f = {self.fraction}" if self.fraction else "")
+    return (
+      f"PROJECTED on {self.cluster}, {where}: {1e3 * self.total:.3f} ms per step "
+      f"(compute {1e3 * self.compute:.3f} ms; communication: {comm or 'none'})"
+    )
+
+
+def _spans_nodes(cluster: Cluster, phase: str, devices: int, cols: int) -> bool:
+  """Whether a phase's collective runs over devices of more than one node.
+
+  Devices are numbered node by node; a grad-worker group is ``W`` consecutive
+  devices, the receivers of a position are ``W`` apart, the data-parallel
+  reductions span all ``N``.
+  """
+  if phase == accounting.DECOMPOSITION_SHARING:
+    return cols > cluster.devices_per_node
+  return devices > cluster.devices_per_node
+
+
+def communication_seconds(
+  cluster: Cluster,
+  collectives: Sequence[accounting.Collective],
+  devices: int,
+  cols: int,
+  factor_update_steps: int = 1,
+  inv_update_steps: int = 1,
+) -> dict[str, float]:
+  """Seconds per step by phase of a list of collectives, amortised by phase cadence.
+
+  Each collective costs ``latency + moved_bytes / bandwidth``; one over a
+  single device costs nothing. The chain check runs once: nothing per step.
+  """
+  every = {
+    accounting.FACTOR_REDUCTION: factor_update_steps,
+    accounting.DECOMPOSITION_SHARING: inv_update_steps,
+  }
+  out = {
+    p: 0.0
+    for p in (
+      accounting.FACTOR_REDUCTION,
+      accounting.DECOMPOSITION_SHARING,
+      accounting.GRADIENT_SHARING,
+      accounting.OTHER,
+    )
+  }
+  for c in collectives:
+    if c.phase == accounting.CHAIN_CHECK or c.group_size <= 1:
+      continue
+    bandwidth = cluster.bandwidth(_spans_nodes(cluster, c.phase, devices, cols))
+    out[c.phase] += (cluster.latency + c.moved_bytes / bandwidth) / every.get(c.phase, 1)
+  return out
+
+
+def modelled_collectives(
+  layout: assignment.Layout | None,
+  devices: int,
+  gradient_bytes: float | None,
+  itemsize: int = 4,
+) -> list[accounting.Collective]:
+  """The collectives of a data-parallel step on ``devices``, from the layout.
+
+  The gradient all-reduce of data parallelism (``gradient_bytes``; ``None``
+  leaves it out), and with a K-FAC ``layout`` those of its phases
+  (`kaisa_jax.accounting.layout_collectives`).
+  """
+  out = []
+  if gradient_bytes is not None:
+    out.append(
+      accounting.Collective(
+        "all-reduce",
+        accounting.OTHER,
+        devices,
+        int(gradient_bytes),
+        accounting.moved("all-reduce", devices, gradient_bytes),
+      )
+    )
+  if layout is not None:
+    out += accounting.layout_collectives(layout, itemsize)
+  return out
+
+
+def project_step(
+  step: ProgramCost,
+  cluster: Cluster,
+  devices: int = 1,
+  *,
+  gradient_bytes: float = 0.0,
+  kfac: KFACWork | None = None,
+  grad_worker_fraction: float | str = "comm_opt",
+  collectives: Sequence[accounting.Collective] | None = None,
+) -> StepTime:
+  """Projects the seconds per step of a train step on ``devices`` devices of ``cluster``.
+
+  Args:
+    step: `program_cost` of the train step compiled for one device at the
+      per-device batch (global batch / ``devices``); for K-FAC, the step with
+      ``kfac`` in its chain.
+    cluster: the hardware.
+    devices: ``N``, the data-parallel devices.
+    gradient_bytes: bytes of the gradient all-reduced over the devices each
+      step (all parameters' gradients; 4 bytes per float32 parameter).
+    kfac: K-FAC's phases (`kfac_work`); ``None`` for a first-order step.
+    grad_worker_fraction: KAISA's ``f`` on ``devices`` (with ``kfac``).
+    collectives: the collectives of the same step compiled for ``devices``
+      devices (`kaisa_jax.accounting.hlo_collectives`), replacing the modelled
+      ones.
+
+  Returns:
+    A `StepTime`: a projection, labelled as one when printed.
+  """
+  if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
+    raise ValueError(f"devices must be an int >= 1, got {devices!r}")
+  if gradient_bytes < 0:
+    raise ValueError(f"gradient_bytes must be >= 0, got {gradient_bytes}")
+  compute = step
+  fraction, layout = None, None
+  fus = ivs = 1
+  if kfac is not None:
+    layout = layout_for(kfac.plan, devices, grad_worker_fraction)
+    fraction = str(fractions.Fraction(layout.cols, devices))
+    fus, ivs = kfac.factor_update_steps, kfac.inv_update_steps
+    dec_share, pre_share = busiest_shares(kfac.plan, layout)
+    # The compiled step counts each phase's branch as if it ran every step, on
+    # every layer: keep the amortised share of the busiest device instead.
+    compute = (
+      step
+      + kfac.factors.scaled(1.0 / fus - 1.0)
+      + kfac.decompositions.scaled(dec_share / ivs - 1.0)
+      + kfac.preconditioning.scaled(pre_share - 1.0)
+    )
+  cols = layout.cols if layout is not None else devices
+  if collectives is None:
+    itemsize = np.dtype(kfac.plan.factor_dtype).itemsize if kfac is not None else 4
+    collectives = modelled_collectives(layout, devices, gradient_bytes, itemsize)
+  communication = communication_seconds(cluster, collectives, devices, cols, fus, ivs)
+  return StepTime(cluster.name, devices, fraction, compute.seconds(cluster), communication)

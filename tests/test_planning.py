@@ -1,0 +1,320 @@
+"""The projection of step times (`kaisa_jax.projection`) and the fraction planner.
+
+Layout sizes are exact, so the planner's memory is checked against numbers
+worked out by hand and against the buffers of real states on 8 devices; times
+are a model, so they are checked for units, monotonicity, agreement with the
+HLO byte counts they are given and the ranking the model implies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from fractions import Fraction
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from distributed_setup import build
+from sklearn.datasets import load_digits
+
+import kaisa_jax
+from kaisa_jax import accounting, projection
+
+
+class TwoDense(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(4)(nn.tanh(nn.Dense(8)(x)))
+
+
+def two_dense_layers(batch: int = 16):
+  model = TwoDense()
+  x = jnp.ones((batch, 6))
+  params = model.init(jax.random.key(0), x)
+  grad_fn = kaisa_jax.value_and_grad(lambda p, x: jnp.mean(model.apply(p, x) ** 2))
+  return grad_fn.layers(params, x)
+
+
+CLUSTER = projection.Cluster(
+  name="test",
+  flops_per_s=1e9,
+  memory_bandwidth=1e10,
+  intra_node_bandwidth=1e9,
+  inter_node_bandwidth=1e8,
+  devices_per_node=4,
+  latency=1e-5,
+  memory=1e9,
+  kernel_overhead=1e-6,
+)
+
+
+def option(plan, fraction):
+  return next(o for o in plan.options if o.fraction == Fraction(fraction))
+
+
+def test_memory_of_each_fraction_worked_out_by_hand():
+  # Dense 6 -> 8 (A 7x7 with the bias, G 8x8) and Dense 8 -> 4 (A 9x9, G 4x4), eigen
+  # method: each side keeps its eigenvectors and eigenvalues.
+  plan = kaisa_jax.plan_fractions(two_dense_layers(), 2, CLUSTER, max_cost_ratio=None)
+  factors = max(7 * 7 + 8 * 8, 9 * 9 + 4 * 4) * 4  # one layer per device, the larger buffer
+  decomposition = max(7 * 7 + 7 + 8 * 8 + 8, 9 * 9 + 9 + 4 * 4 + 4) * 4
+  comm_opt, mem_opt = option(plan, 1), option(plan, "1/2")
+  assert (comm_opt.factor_memory, comm_opt.decomposition_memory) == (factors, 2 * decomposition)
+  assert (mem_opt.factor_memory, mem_opt.decomposition_memory) == (factors, decomposition)
+  assert comm_opt.memory == 452 + 1024 and mem_opt.memory == 452 + 512
+
+
+def test_communication_worked_out_by_hand():
+  plan = kaisa_jax.plan_fractions(
+    two_dense_layers(), 2, CLUSTER, max_cost_ratio=None, factor_update_steps=5, inv_update_steps=50
+  )
+  lat, bw = CLUSTER.latency, CLUSTER.intra_node_bandwidth
+  factor_reduction = (lat + 113 * 4 / bw) + (lat + 4 / bw)  # reduce-scatter, health count
+  # MEM-OPT: no decomposition gather (groups of one), the count still all-reduced; the
+  # preconditioned gradients (the larger group: 7 x 8 weights) gathered every step.
+  mem_opt = factor_reduction / 5 + (lat + 4 / bw) / 50 + (lat + 56 * 4 / bw)
+  # COMM-OPT: the decompositions gathered within the group of 2, no gradient sharing.
+  comm_opt = factor_reduction / 5 + ((lat + 128 * 4 / bw) + (lat + 4 / bw)) / 50
+  np.testing.assert_allclose(option(plan, "1/2").communication, mem_opt, rtol=1e-12)
+  np.testing.assert_allclose(option(plan, 1).communication, comm_opt, rtol=1e-12)
+
+
+def test_ranking_follows_the_model():
+  layers = two_dense_layers()
+  # Collectives expensive, flops free: fewest collectives per step (COMM-OPT) wins.
+  slow_network = dataclasses.replace(CLUSTER, latency=1.0, flops_per_s=1e18)
+  assert kaisa_jax.plan_fractions(layers, 2, slow_network, max_cost_ratio=None).recommended == 1
+  # Collectives free, flops expensive: each device preconditions its own layer only.
+  slow_flops = dataclasses.replace(
+    CLUSTER, latency=1e-12, flops_per_s=1.0, intra_node_bandwidth=1e18
+  )
+  chosen = kaisa_jax.plan_fractions(layers, 2, slow_flops, max_cost_ratio=None)
+  assert chosen.recommended == Fraction(1, 2)
+  assert option(chosen, "1/2").compute < option(chosen, 1).compute
+
+
+def _wide_layers():
+  class Wide(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      for width in (48, 40, 32, 24, 16):
+        x = nn.tanh(nn.Dense(width)(x))
+      return nn.Dense(10)(x)
+
+  model = Wide()
+  x = jnp.ones((16, 30))
+  params = model.init(jax.random.key(0), x)
+  return kaisa_jax.value_and_grad(lambda p, x: jnp.mean(model.apply(p, x) ** 2)).layers(params, x)
+
+
+def test_a_budget_below_comm_opt_decompositions_never_recommends_comm_opt():
+  layers = _wide_layers()
+  slow_network = dataclasses.replace(CLUSTER, latency=1e-2)
+  free = kaisa_jax.plan_fractions(layers, 8, slow_network, max_cost_ratio=None)
+  comm_opt = option(free, 1)
+  assert free.recommended == 1  # without a budget, the model prefers it on this cluster
+  for budget in np.linspace(comm_opt.decomposition_memory - 1, 1, 12):
+    chosen = kaisa_jax.plan_fractions(layers, 8, slow_network, budget, max_cost_ratio=None)
+    assert chosen.recommended != 1
+    fitting = [o for o in chosen.options if o.memory <= budget]
+    assert [o.fits for o in chosen.options] == [o.memory <= budget for o in chosen.options]
+    if fitting:
+      assert chosen.recommended == min(fitting, key=lambda o: (o.seconds, o.memory)).fraction
+    else:
+      assert chosen.recommended is None
+      assert "no fraction fits" in str(chosen)
+
+
+def test_memory_equals_the_buffers_of_real_states_on_8_devices():
+  _, _, _, kfac = build("cnn", "shard_map", 8, "1", 1, chained=False)
+  # build() traces the layers with one device's batch; its kfac has max_cost_ratio=None.
+  layers = kaisa_jax.Layers(tuple(s for s, _ in kfac.plan.layers), kfac.plan.skipped)
+  planned = kaisa_jax.plan_fractions(layers, 8, CLUSTER, inv_update_steps=3, max_cost_ratio=None)
+  for fraction in ("1/8", "1/4", "1/2", "1"):
+    _, (_, state), _, kfac = build("cnn", "shard_map", 8, fraction, 1, chained=False)
+    shard = lambda a: a.addressable_shards[0].data.nbytes  # noqa: E731
+    o = option(planned, fraction)
+    assert (o.factor_memory, o.decomposition_memory) == (
+      shard(state.factors),
+      shard(state.decompositions),
+    )
+
+
+def test_auto_uses_the_planner_for_the_device_kind(monkeypatch):
+  layers = two_dense_layers()
+  with pytest.raises(ValueError, match="plan_fractions"):
+    projection.cluster_of(jax.devices()[0])  # a CPU: no preset
+  slow_flops = dataclasses.replace(
+    CLUSTER, latency=1e-12, flops_per_s=1.0, intra_node_bandwidth=1e18
+  )
+  monkeypatch.setattr(projection, "cluster_of", lambda device: slow_flops)
+  kfac = kaisa_jax.kfac(
+    layers, axis_name="batch", axis_size=2, grad_worker_fraction="auto", kl_clip=None
+  )
+  expected = kaisa_jax.plan_fractions(layers, 2, slow_flops)
+  assert Fraction(kfac.plan.layout.cols, 2) == expected.recommended == Fraction(1, 2)
+  with pytest.raises(ValueError, match="cannot change a mesh"):
+    kaisa_jax.kfac(
+      layers,
+      mesh=kaisa_jax.make_mesh(1, jax.devices()[:2]),
+      grad_worker_fraction="auto",
+      kl_clip=None,
+    )
+
+
+@pytest.mark.parametrize(
+  ("kwargs", "match"),
+  [
+    (dict(n_devices=0), "n_devices"),
+    (dict(cluster="a100"), "Cluster"),
+    (dict(memory_budget=-1.0), "memory_budget"),
+    (dict(inv_update_steps=0), "inv_update_steps"),
+    (dict(compute_method="qr"), "compute_method"),
+  ],
+)
+def test_planner_rejects_bad_input(kwargs, match):
+  args = dict(layers=two_dense_layers(), n_devices=2, cluster=CLUSTER) | kwargs
+  with pytest.raises((TypeError, ValueError), match=match):
+    kaisa_jax.plan_fractions(**args)
+
+
+def test_cluster_rejects_bad_figures():
+  with pytest.raises(ValueError, match="flops_per_s"):
+    dataclasses.replace(CLUSTER, flops_per_s=0.0)
+  with pytest.raises(ValueError, match="devices_per_node"):
+    dataclasses.replace(CLUSTER, devices_per_node=0)
+
+
+# ------------------------------------------------------------------------- projection
+
+
+def test_projected_compute_is_flops_over_rate_plus_bytes_over_bandwidth_plus_kernels():
+  step = projection.ProgramCost(flops=3e9, lapack_flops=1e9, bytes=5e9, kernels=1000)
+  t = projection.project_step(step, CLUSTER)
+  assert t.compute == pytest.approx(4e9 / 1e9 + 5e9 / 1e10 + 1000 * 1e-6)  # seconds
+  assert sum(t.communication.values()) == 0.0  # one device, no gradient all-reduce
+  faster = projection.project_step(step, dataclasses.replace(CLUSTER, flops_per_s=2e9))
+  assert faster.compute == pytest.approx(2.0 + 0.5 + 1e-3)
+  assert "PROJECTED" in str(t)
+
+
+def test_program_cost_counts_lapack_and_the_kernels_of_the_larger_branch():
+  def f(x, p):
+    y = jnp.tanh(x @ x)
+    z = jax.lax.cond(p, lambda: jnp.linalg.eigh(y)[0].sum() * y, lambda: y)
+    return jnp.sum(z, axis=0)
+
+  cost = projection.cost_of(f, jnp.ones((8, 8)), True)
+  assert cost.lapack_flops == 9 * 8**3  # one 8x8 eigh, which XLA's flops leave out
+  # Outside the cond: the product, the predicate's conversion, tanh, the sum; in the
+  # eigh branch: a layout copy, the symmetrisation, eigh, the eigenvalue sum, the product.
+  assert cost.kernels == 4 + 5
+  assert cost.flops >= 2 * 8**3
+
+
+def test_communication_shrinks_with_bandwidth_and_crosses_nodes_beyond_one_node():
+  step = projection.ProgramCost(1e9, 0.0, 0.0)
+  kw = dict(gradient_bytes=4e8)
+  within = projection.project_step(step, CLUSTER, 4, **kw)
+  assert within.communication["other"] == pytest.approx(1e-5 + 2 * 3 / 4 * 4e8 / 1e9)
+  across = projection.project_step(step, CLUSTER, 8, **kw)  # 2 nodes of 4
+  assert across.communication["other"] == pytest.approx(1e-5 + 2 * 7 / 8 * 4e8 / 1e8)
+  times = [
+    projection.project_step(step, dataclasses.replace(CLUSTER, inter_node_bandwidth=b), 8, **kw)
+    for b in (1e7, 1e8, 1e9)
+  ]
+  assert times[0].total > times[1].total > times[2].total
+
+
+def _kfac_step(n_devices_traced: int = 1):
+  model = TwoDense()
+  x = jax.random.normal(jax.random.key(0), (32, 6))
+  params = model.init(jax.random.key(1), x)
+  grad_fn = kaisa_jax.value_and_grad(lambda p, x: jnp.mean(model.apply(p, x) ** 2))
+  kfac = kaisa_jax.kfac(
+    grad_fn.layers(params, x), factor_update_steps=2, inv_update_steps=4, kl_clip=None
+  )
+  tx = optax.chain(kfac, optax.sgd(0.1))
+
+  def step(params, opt_state, x):
+    _, grads, curvature = grad_fn(params, x)
+    updates, opt_state = tx.update(grads, opt_state, params, curvature=curvature)
+    return optax.apply_updates(params, updates), opt_state
+
+  opt_state = tx.init(params)
+  _, grads, curvature = grad_fn(params, x)
+  work = projection.kfac_work(kfac, opt_state[0], grads, curvature, 2, 4)
+  return projection.cost_of(step, params, opt_state, x), work
+
+
+def test_kfac_phases_are_amortised_and_split_by_the_layout():
+  step, work = _kfac_step()
+  assert work.decompositions.lapack_flops == pytest.approx(9 * (7**3 + 8**3 + 9**3 + 4**3))
+  assert step.lapack_flops == work.decompositions.lapack_flops  # the step holds the branch
+  one = projection.project_step(step, CLUSTER, kfac=work)
+  expected = (
+    step
+    + work.factors.scaled(1 / 2 - 1)
+    + work.decompositions.scaled(1 / 4 - 1)
+    + work.preconditioning.scaled(0.0)
+  )
+  assert one.compute == pytest.approx(expected.seconds(CLUSTER))
+  assert 0 < one.compute < step.seconds(CLUSTER)
+  # MEM-OPT on 2 devices: each device decomposes and preconditions one layer.
+  two = projection.project_step(step, CLUSTER, 2, kfac=work, grad_worker_fraction="mem_opt")
+  assert two.fraction == "1/2" and two.compute < one.compute
+  assert two.communication["gradient sharing"] > 0
+  only_the_count = (CLUSTER.latency + 4 / CLUSTER.intra_node_bandwidth) / 4  # no gather in MEM-OPT
+  assert two.communication["decomposition sharing"] == pytest.approx(only_the_count)
+
+
+@pytest.mark.parametrize("fraction", ["1/8", "1"])
+def test_projected_communication_matches_the_hlo_bytes_it_is_given(fraction):
+  fn, (params, state), inputs, kfac = build("cnn", "shard_map", 8, fraction, 1, chained=True)
+  collectives = accounting.hlo_collectives(fn.lower(params, state, *inputs[0]).compile(), 8)
+  no_latency = dataclasses.replace(CLUSTER, latency=1e-30, devices_per_node=8)
+  step = projection.ProgramCost(0.0, 0.0, 0.0)
+  work = projection.KFACWork(kfac.plan, step, step, step, 10, 100)  # the layout's plan, no compute
+  t = projection.project_step(
+    step, no_latency, 8, kfac=work, grad_worker_fraction=Fraction(fraction), collectives=collectives
+  )
+  per_step = accounting.per_step(collectives, 10, 100)
+  for phase, moved in per_step.items():
+    assert t.communication[phase] * no_latency.intra_node_bandwidth == pytest.approx(moved)
+  # The modelled collectives of the same layout give the same K-FAC bytes (within the
+  # 10 % the accounting tests allow for XLA's layout of the buffers).
+  modelled = projection.project_step(
+    step, no_latency, 8, kfac=work, grad_worker_fraction=Fraction(fraction)
+  )
+  for phase in ("factor reduction", "decomposition sharing", "gradient sharing"):
+    assert modelled.communication[phase] == pytest.approx(t.communication[phase], rel=0.1)
+
+
+def test_the_readme_example_of_the_planner():
+  class MLP(nn.Module):  # the README's first example
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(10)(nn.tanh(nn.Dense(64)(x)))
+
+  x, y = load_digits(return_X_y=True)
+  x, y = x[:16] / 16.0, y[:16]
+  model = MLP()
+  params = model.init(jax.random.key(0), x)
+  grad_fn = kaisa_jax.value_and_grad(
+    lambda p, b: optax.softmax_cross_entropy_with_integer_labels(model.apply(p, b[0]), b[1]).mean()
+  )
+  local = grad_fn.layers(params, (x, y))
+  choice = kaisa_jax.plan_fractions(local, 8, projection.DGX_A100, memory_budget=100_000)
+  assert choice.recommended == Fraction(1, 8)
+  assert [o.fits for o in choice.options] == [True, False, False, False]
+  # A 65x65 and G 64x64 of the first layer, the larger share one device holds (float32).
+  assert {o.factor_memory for o in choice.options} == {(65 * 65 + 64 * 64) * 4}
+  assert "<- recommended" in str(choice) and "PROJECTED" in str(choice)
+  assert kaisa_jax.plan_fractions(local, 8, projection.DGX_A100).recommended == 1
+  kfac = kaisa_jax.kfac(
+    local, axis_name="batch", axis_size=8, grad_worker_fraction=choice.recommended, lr=0.1
+  )
+  assert kfac.plan.layout.cols == 1
