@@ -113,13 +113,20 @@ def main() -> None:
   host = projection.measure_host()
   print(
     f"jax {jax.__version__}; {host.name}: {host.flops_per_s / 1e9:.1f} GFLOP/s, "
-    f"{host.memory_bandwidth / 1e9:.1f} GB/s ({host.source}); batch {BATCH}, K-FAC "
+    f"{host.memory_bandwidth / 1e9:.1f} GB/s, {1e6 * host.kernel_overhead:.2f} us per kernel "
+    f"({host.source}); batch {BATCH}, K-FAC "
     f"cadence ({FACTOR_STEPS}, {INV_STEPS})"
   )
   print(
-    f"{'model':<8} {'optimizer':<9} {'GFLOP':>7} {'MB':>7} {'measured ms':>11} "
+    f"{'model':<8} {'optimizer':<9} {'GFLOP':>7} {'MB':>7} {'kernels':>7} {'measured ms':>11} "
     f"{'projected ms':>12} {'projected/measured':>18}"
   )
+  try:  # the data-sheet preset of this device, where there is one (A100, H100)
+    preset = projection.cluster_of(jax.devices()[0])
+  except ValueError:
+    preset = None
+  if preset is not None:
+    print(f"also projected with the preset {preset.name} ({preset.source})")
   worst = 0.0
   for name in args.models:
     task = dataclasses.replace(MODELS[name](), batch_size=BATCH)
@@ -137,9 +144,15 @@ def main() -> None:
       c = projection.program_cost(compiled)
       ratio = projected[opt].total / measured[opt]
       worst = max(worst, abs(ratio - 1.0))
+      extra = ""
+      if preset is not None:
+        kfac = work if opt == "K-FAC" else None
+        on_preset = projection.project_step(c, preset, kfac=kfac).total
+        extra = f"   preset {1e3 * on_preset:.3f} ms ({on_preset / measured[opt]:.2f}x)"
       print(
         f"{name:<8} {opt:<9} {(c.flops + c.lapack_flops) / 1e9:>7.3f} {c.bytes / 1e6:>7.1f}"
-        f" {1e3 * measured[opt]:>11.2f} {1e3 * projected[opt].total:>12.2f} {ratio:>17.2f}x"
+        f" {c.kernels:>7.0f} {1e3 * measured[opt]:>11.2f} {1e3 * projected[opt].total:>12.2f}"
+        f" {ratio:>17.2f}x{extra}"
       )
   verdict = "within" if worst <= TOLERANCE else "NOT within"
   print(f"largest deviation {100 * worst:.0f}%: {verdict} the {100 * TOLERANCE:.0f}% target")

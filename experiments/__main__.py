@@ -149,6 +149,19 @@ class Distinct(argparse.Action):
     setattr(namespace, self.dest, list(values))
 
 
+def add_tasks(parser: argparse.ArgumentParser, default: Sequence[str], known: Any) -> None:
+  """``--tasks``: the tasks to gather, each named once, any of ``known``."""
+  parser.add_argument(
+    "--tasks",
+    nargs="+",
+    action=Distinct,
+    default=list(default),
+    choices=sorted(known),
+    metavar="TASK",
+    help=f"the tasks to gather; any of {', '.join(sorted(known))}",
+  )
+
+
 def add_task(parser: argparse.ArgumentParser) -> None:
   """``--task``."""
   parser.add_argument("--task", default="mnist1d", choices=sorted(tasks.TASKS), help="the task")
@@ -306,15 +319,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     "Reads the compare results of each task and writes OUT/summary.md; with --readme, also "
     "replaces that file's experiments table (between its markers).",
   )
-  summary.add_argument(
-    "--tasks",
-    nargs="+",
-    action=Distinct,
-    default=list(SUMMARY_TASKS),
-    choices=sorted(tasks.TASKS),
-    metavar="TASK",
-    help=f"the tasks to gather; any of {', '.join(sorted(tasks.TASKS))}",
-  )
+  add_tasks(summary, SUMMARY_TASKS, tasks.TASKS)
   add_optimizers(
     summary, None, "the optimizers in the table", "every one with results for the seeds"
   )
@@ -386,15 +391,7 @@ def add_scale_modes(mode: Callable[[str, str, str], argparse.ArgumentParser]) ->
     "writes every task's table to OUT/scale-summary.md; with --readme, also between that "
     "file's scaling-table markers.",
   )
-  gather.add_argument(
-    "--tasks",
-    nargs="+",
-    action=Distinct,
-    default=list(SCALE_TASKS),
-    choices=sorted(scale.PROTOCOLS),
-    metavar="TASK",
-    help=f"the tasks to gather; any of {', '.join(sorted(scale.PROTOCOLS))}",
-  )
+  add_tasks(gather, SCALE_TASKS, scale.PROTOCOLS)
   add_out(gather, f"results folder; reads OUT/TASK/{scale.FOLDER}/, writes OUT/scale-summary.md")
   gather.add_argument(
     "--readme",

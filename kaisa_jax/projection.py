@@ -180,8 +180,11 @@ def measure_host(name: str = "this host", batch: int = 128, width: int = 256) ->
   bandwidth = 2.0 * v.nbytes / _median_seconds(stream, v, repeats=30)
   latency = _median_seconds(jax.jit(lambda s: s + 1.0), jnp.float32(0), repeats=50)
   kernel_overhead = _kernel_overhead()
+  stats = jax.devices()[0].memory_stats() or {}  # an accelerator's; None on a CPU
   try:
-    memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    memory = float(
+      stats.get("bytes_limit") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    )
   except (ValueError, OSError, AttributeError):  # pragma: no cover: not POSIX
     memory = 1e9
   return Cluster(

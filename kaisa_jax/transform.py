@@ -319,7 +319,15 @@ def gradient_alignment(
 MIN_ALIGNMENT = -0.5
 
 
-def _raise_if_against_gradient(cosine: Any) -> None:
+def _one_unless_against_gradient(cosine: Any) -> np.ndarray:
+  """1 (in the cosine's dtype) if the cosine is at least `MIN_ALIGNMENT`; raises otherwise.
+
+  Called back from the compiled step through ``jax.pure_callback``, whose
+  result the step multiplies in: unlike ``jax.debug.callback``, whose effect
+  makes every call of the step take JAX's slow dispatch path (measured 1.4 ms
+  per call on this CPU), a pure callback costs nothing on the steps its branch
+  does not run.
+  """
   if cosine < MIN_ALIGNMENT:
     raise ValueError(
       "kfac received updates that point against the gradient (cosine "
@@ -327,6 +335,7 @@ def _raise_if_against_gradient(cosine: Any) -> None:
       "before kfac in the chain. K-FAC preconditions the gradient, so it comes first: "
       "optax.chain(kaisa_jax.kfac(...), optax.sgd(lr, momentum=0.9))"
     )
+  return np.ones((), np.asarray(cosine).dtype)
 
 
 def update_factors(
@@ -742,15 +751,19 @@ def kfac(
     grads = _layer_params(updates, plan, "updates")
     step = state.count
     damp = hp.at(damping, step, dec_dtype)
+    in_order = jnp.ones([], dec_dtype)  # 1, or the first step raises
     if check_layer is not None:  # chain order, once: the first step only
       spec = plan.layers[check_layer][0]
 
       def check_order():
         v = layers_lib.to_matrix(spec, grads[spec.name], dec_dtype)
         alignment = gradient_alignment(spec, curvature[spec.name], v, dec_dtype, comm)
-        jax.debug.callback(_raise_if_against_gradient, alignment)
+        shape = jax.ShapeDtypeStruct((), dec_dtype)
+        return jax.pure_callback(
+          _one_unless_against_gradient, shape, alignment, vmap_method="sequential"
+        )
 
-      jax.lax.cond(step == 0, check_order, lambda: None)
+      in_order = jax.lax.cond(step == 0, check_order, lambda: in_order)
 
     every = hp.at(factor_update_steps, step, jnp.int32)
     decay = hp.at(factor_decay, step)
@@ -768,9 +781,9 @@ def kfac(
     preconditioned, vg_sum = precondition_grads(
       plan, grads, state.decompositions, damp, dec_dtype, comm
     )
-    nu = 1.0
+    nu = in_order  # exactly 1: the product leaves every bit as it was
     if kl_clip is not None:
-      nu = preconditioning.kl_clip_scale(
+      nu = nu * preconditioning.kl_clip_scale(
         vg_sum, hp.at(kl_clip, step, dec_dtype), hp.at(lr, step, dec_dtype)
       )
 

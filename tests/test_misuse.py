@@ -150,6 +150,21 @@ def test_optimizer_before_kfac_raises_at_the_first_step(first):
     _train(tx, steps=1)
 
 
+def test_the_chain_check_leaves_the_step_without_side_effects():
+  # A jax.debug.callback anywhere in the step, even in a branch that runs once, sends
+  # every call through JAX's dispatch path for effects: 1.4 ms per call measured on this
+  # CPU, about 10 % of a K-FAC step on the MNIST-1D CNN. The check must stay pure.
+  tx = optax.chain(kaisa_jax.kfac(LAYERS, lr=0.1, **KFAC), optax.sgd(0.1))
+
+  def step(params, state, x, y):
+    _, grads, curvature = GRAD_FN(params, x, y)
+    return tx.update(grads, state, params, curvature=curvature)
+
+  jaxpr = jax.make_jaxpr(step)(PARAMS, tx.init(PARAMS), XS[0], YS[0])
+  assert not jaxpr.effects
+  assert "pure_callback" in str(jaxpr)  # the check is there, in the first step's branch
+
+
 def test_transformations_of_the_gradient_before_kfac_are_accepted():
   kfac = kaisa_jax.kfac(LAYERS, lr=0.1, **KFAC)
   tx = optax.chain(
