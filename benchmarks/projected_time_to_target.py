@@ -205,7 +205,7 @@ def table(result: dict[str, Any]) -> str:
       f"**{result['task']}, PROJECTED on {preset.name}** (seconds to target = measured steps x "
       "projected seconds per step; best global batch B per N)",
       "",
-      "| N | " + " | ".join(NAMES.get(n, n) for n in names) + " | K-FAC / best baseline |",
+      "| N | " + " | ".join(NAMES.get(n, n) for n in names) + " | best K-FAC / best baseline |",
       "|---" * (len(names) + 2) + "|",
     ]
     for n in DEVICES:
