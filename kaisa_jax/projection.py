@@ -374,11 +374,11 @@ def kfac_work(
       "kfac_work needs a kfac built for one device (no mesh= or axis_name=): the projection "
       "splits its phases over the devices itself"
     )
-  hp_steps = (factor_update_steps, inv_update_steps)
-  if any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in hp_steps):
-    raise ValueError(f"the cadences must be ints >= 1, got {hp_steps}")
+  cadence = (factor_update_steps, inv_update_steps)
+  if any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in cadence):
+    raise ValueError(f"the cadences must be ints >= 1, got {cadence}")
   comm = plan.collectives
-  damping, decay = jnp.float32(1e-2), jnp.float32(0.95)
+  damping, decay = jnp.float32(1e-2), jnp.float32(0.95)  # any values: the costs do not change
   dtype = plan.factor_dtype
   dec_dtype = state.decompositions.dtype
   layer_grads = transform._layer_params(grads, plan, "gradients")
