@@ -533,8 +533,10 @@ def make_plan(
 
 def _auto_fraction(
   layers: Layers, mesh: Mesh | None, axis_name: str | None, axis_size: int | None, **settings
-) -> str:
+) -> Any:
   """``grad_worker_fraction="auto"``: the fraction `kaisa_jax.plan_fractions` recommends.
+
+  A `fractions.Fraction`, or ``"comm_opt"`` on one device (nothing to choose).
 
   The cluster is the preset for the first device's kind
   (`kaisa_jax.projection.cluster_of`), with no memory budget.
