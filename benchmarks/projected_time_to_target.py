@@ -35,7 +35,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import matplotlib
-import optax
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -46,6 +45,7 @@ import kaisa_jax
 from experiments import optimizers, tasks
 from experiments.files import write_text
 from experiments.report import NAMES
+from experiments.train import make_step
 from kaisa_jax import projection
 
 DEVICES = (1, 2, 4, 8, 16, 32, 64)
@@ -84,30 +84,13 @@ def costs(task: tasks.Task, name: str, settings: dict[str, Any], b: int, n: int)
   params, state = task.init(jax.random.key(0), x[:1])
   gradient_bytes = 4.0 * sum(p.size for p in jax.tree.leaves(params))
   opt = optimizers.from_settings(name, settings)
-  if not optimizers.is_kfac(name):
-    tx = optimizers.build(opt, 1000, None)
-
-    def gradients(params, state, x, y):
-      (_, state), grads = jax.value_and_grad(task.loss, has_aux=True)(params, state, x, y)
-      return state, grads, {}
-
-    layers = work = None
-  else:
+  layers = work = None
+  if optimizers.is_kfac(name):
     grad_fn = kaisa_jax.value_and_grad(task.loss, has_aux=True, n_examples=at_b.n_examples())
     layers = weighed_at(grad_fn.layers(params, state, x, y), n)
-    tx = optimizers.build(opt, 1000, layers)
-
-    def gradients(params, state, x, y):
-      (_, state), grads, curvature = grad_fn(params, state, x, y)
-      return state, grads, {"curvature": curvature}
-
-  def step(params, state, opt_state, x, y):
-    state, grads, extra = gradients(params, state, x, y)
-    updates, opt_state = tx.update(grads, opt_state, params, **extra)
-    return optax.apply_updates(params, updates), state, opt_state
-
+  tx, step = make_step(at_b, opt, 1000, params, state, layers)
   opt_state = tx.init(params)
-  step_cost = projection.cost_of(step, params, state, opt_state, x, y)
+  step_cost = projection.program_cost(step.lower(params, state, opt_state, x, y).compile())
   if layers is not None:
     kfac = kaisa_jax.kfac(layers, lr=opt.lr, **opt.kfac)
     _, grads, curvature = grad_fn(params, state, x, y)

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -26,7 +24,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from step_time import MLP
+from step_time import MLP, interleaved_seconds
 
 import kaisa_jax
 from experiments import optimizers, tasks
@@ -74,23 +72,9 @@ def built(task: tasks.Task, opt: optimizers.Optimizer):
   return step, carry, compiled, (x, y)
 
 
-def interleaved(steps: dict, batch, block: int, blocks: int) -> dict[str, float]:
-  """Median over blocks of each step's mean time in a block; the steps take turns."""
-  carries = {name: carry for name, (_, carry) in steps.items()}
-  means: dict[str, list[float]] = {name: [] for name in steps}
-  for name, (fn, _) in steps.items():  # warm up
-    *carry, _ = fn(*carries[name], *batch)
-    carries[name] = jax.block_until_ready(carry)
-  for _ in range(blocks):
-    for name, (fn, _) in steps.items():
-      carry = carries[name]
-      start = time.perf_counter()
-      for _ in range(block):
-        *carry, _ = fn(*carry, *batch)
-      jax.block_until_ready(carry)
-      means[name].append((time.perf_counter() - start) / block)
-      carries[name] = carry
-  return {name: statistics.median(m) for name, m in means.items()}
+def carried(step):
+  """The step without its loss: ``(params, state, opt_state)``, as `interleaved_seconds` carries."""
+  return lambda *args: step(*args)[:3]
 
 
 def kfac_work(task: tasks.Task, carry, batch) -> projection.KFACWork:
@@ -137,8 +121,11 @@ def main() -> None:
       "SGD": projection.project_step(projection.program_cost(sgd_compiled), host),
       "K-FAC": projection.project_step(projection.program_cost(kfac_compiled), host, kfac=work),
     }
-    measured = interleaved(
-      {"SGD": (sgd_step, sgd_carry), "K-FAC": (kfac_step, kfac_carry)}, batch, 100, args.blocks
+    measured = interleaved_seconds(
+      {"SGD": (carried(sgd_step), sgd_carry), "K-FAC": (carried(kfac_step), kfac_carry)},
+      batch,
+      100,
+      args.blocks,
     )
     for opt, compiled in (("SGD", sgd_compiled), ("K-FAC", kfac_compiled)):
       c = projection.program_cost(compiled)

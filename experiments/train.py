@@ -46,13 +46,19 @@ TRAIN_LOSS_EXAMPLES = 4096
 
 
 def make_step(
-  task: Task, opt: Optimizer, steps: int, params: Any, state: Any
+  task: Task,
+  opt: Optimizer,
+  steps: int,
+  params: Any,
+  state: Any,
+  layers: kaisa_jax.Layers | None = None,
 ) -> tuple[optax.GradientTransformationExtraArgs, Callable[..., Any]]:
   """The optimizer's Optax transformation and the jitted training step.
 
   ``step(params, state, opt_state, x, y) -> (params, state, opt_state, loss)``
-  on one batch. For K-FAC the layers are traced on the first batch of the
-  training set and the step passes the captured curvature to ``update``.
+  on one batch. For K-FAC the layers are ``layers``, or traced on the first
+  batch of the training set, and the step passes the captured curvature to
+  ``update``.
   """
   if not is_kfac(opt.name):
     tx = build(opt, steps, None)
@@ -63,8 +69,10 @@ def make_step(
 
   else:
     grad_fn = kaisa_jax.value_and_grad(task.loss, has_aux=True, n_examples=task.n_examples())
-    first = tuple(jnp.asarray(a[: task.batch_size]) for a in task.train)
-    tx = build(opt, steps, grad_fn.layers(params, state, *first))
+    if layers is None:
+      first = tuple(jnp.asarray(a[: task.batch_size]) for a in task.train)
+      layers = grad_fn.layers(params, state, *first)
+    tx = build(opt, steps, layers)
 
     def gradients(params, state, xb, yb):
       (loss, state), grads, curvature = grad_fn(params, state, xb, yb)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -80,6 +81,11 @@ def moved(kind: str, n: int, result_bytes: float) -> float:
   }[kind] * result_bytes
 
 
+def collective(kind: str, phase: str, n: int, result_bytes: float) -> Collective:
+  """A collective over ``n`` devices with a result of ``result_bytes``, and the bytes it moves."""
+  return Collective(kind, phase, n, int(result_bytes), moved(kind, n, result_bytes))
+
+
 def _type_bytes(text: str) -> int:
   total = 0
   for dtype, dims in re.findall(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]", text):
@@ -123,14 +129,17 @@ def hlo_collectives(compiled: Any, num_devices: int | None = None) -> list[Colle
     size = _type_bytes(type_text)
     n = _group_size(rest, num_devices or 1)
     kind = match.group("kind")
-    out.append(Collective(kind, phase, n, size, moved(kind, n, size)))
+    out.append(collective(kind, phase, n, size))
   return out
 
 
-def per_step(
-  collectives: list[Collective], factor_update_steps: int, inv_update_steps: int
+def amortised(
+  collectives: Sequence[Collective],
+  factor_update_steps: int,
+  inv_update_steps: int,
+  value: Callable[[Collective], float],
 ) -> dict[str, float]:
-  """Bytes moved per device per step by phase, amortised over the cadence.
+  """``value`` of the collectives summed per phase and per step, each divided by its phase's cadence.
 
   The chain check runs on the first step only: amortised over a run, nothing.
   """
@@ -138,8 +147,15 @@ def per_step(
   out = {p: 0.0 for p in (FACTOR_REDUCTION, DECOMPOSITION_SHARING, GRADIENT_SHARING, OTHER)}
   for c in collectives:
     if c.phase != CHAIN_CHECK:
-      out[c.phase] += c.moved_bytes / every.get(c.phase, 1)
+      out[c.phase] += value(c) / every.get(c.phase, 1)
   return out
+
+
+def per_step(
+  collectives: list[Collective], factor_update_steps: int, inv_update_steps: int
+) -> dict[str, float]:
+  """Bytes moved per device per step by phase, amortised over the cadence."""
+  return amortised(collectives, factor_update_steps, inv_update_steps, lambda c: c.moved_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,10 +194,6 @@ def layout_collectives(layout: assignment.Layout, itemsize: int = 4) -> list[Col
   across the ``N / W`` groups. A collective over one device moves nothing.
   """
   rows, cols, n = layout.rows, layout.cols, layout.devices
-
-  def collective(kind: str, phase: str, size: int, result: float) -> Collective:
-    return Collective(kind, phase, size, int(result), moved(kind, size, result))
-
   return [
     collective("reduce-scatter", FACTOR_REDUCTION, n, layout.factor_size * itemsize),
     collective("all-reduce", FACTOR_REDUCTION, n, 4),

@@ -123,17 +123,8 @@ def _compute_seconds(
   inv_update_steps: int,
 ) -> float:
   """Per-device K-FAC compute per step of the busiest device, from `kaisa_jax.cost`."""
-  layout = plan.layout
-  layers = plan.layers
-  factors = sum(cost.factor_flops(s, t) for s, t in layers)
-  decompositions = max(
-    sum(cost.decomposition_flops(*layers[i]) for i in layout.owned(r, c))
-    for r in range(layout.rows)
-    for c in range(layout.cols)
-  )
-  preconditioning_flops = max(
-    sum(cost.preconditioning_flops(*layers[i]) for i in layout.group(r)) for r in range(layout.rows)
-  )
+  factors = sum(cost.factor_flops(s, t) for s, t in plan.layers)
+  decompositions, preconditioning_flops = projection.busiest_flops(plan, plan.layout)
   flops = factors / factor_update_steps + decompositions / inv_update_steps + preconditioning_flops
   return flops / cluster.flops_per_s
 

@@ -404,17 +404,25 @@ def layout_for(plan: transform.Plan, devices: int, fraction: float | str) -> ass
   return assignment.make_layout(plan.layers, devices // cols, cols, plan.layout.cost_kind)
 
 
-def busiest_shares(plan: transform.Plan, layout: assignment.Layout) -> tuple[float, float]:
-  """The largest share of all decomposition flops one device owns, and of preconditioning one group runs."""
-  layers = plan.layers
-  dec = [cost.decomposition_flops(s, t) for s, t in layers]
-  pre = [cost.preconditioning_flops(s, t) for s, t in layers]
+def busiest_flops(plan: transform.Plan, layout: assignment.Layout) -> tuple[float, float]:
+  """Flops of the decompositions the busiest device owns, and of the preconditioning the busiest group runs.
+
+  From `kaisa_jax.cost`; SPMD makes every device wait for the busiest.
+  """
+  dec = [cost.decomposition_flops(s, t) for s, t in plan.layers]
+  pre = [cost.preconditioning_flops(s, t) for s, t in plan.layers]
   devices = [(r, c) for r in range(layout.rows) for c in range(layout.cols)]
-  dec_share = max(sum(dec[i] for i in layout.owned(*d)) for d in devices) / max(sum(dec), 1.0)
-  pre_share = max(sum(pre[i] for i in layout.group(r)) for r in range(layout.rows)) / max(
-    sum(pre), 1.0
+  return (
+    max(sum(dec[i] for i in layout.owned(*d)) for d in devices),
+    max(sum(pre[i] for i in layout.group(r)) for r in range(layout.rows)),
   )
-  return dec_share, pre_share
+
+
+def busiest_shares(plan: transform.Plan, layout: assignment.Layout) -> tuple[float, float]:
+  """`busiest_flops` as shares of all the layers' decomposition and preconditioning flops."""
+  dec, pre = busiest_flops(plan, layout)
+  dec_all, pre_all = busiest_flops(plan, layout_for(plan, 1, 1))
+  return dec / max(dec_all, 1.0), pre / max(pre_all, 1.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -475,25 +483,14 @@ def communication_seconds(
   Each collective costs ``latency + moved_bytes / bandwidth``; one over a
   single device costs nothing. The chain check runs once: nothing per step.
   """
-  every = {
-    accounting.FACTOR_REDUCTION: factor_update_steps,
-    accounting.DECOMPOSITION_SHARING: inv_update_steps,
-  }
-  out = {
-    p: 0.0
-    for p in (
-      accounting.FACTOR_REDUCTION,
-      accounting.DECOMPOSITION_SHARING,
-      accounting.GRADIENT_SHARING,
-      accounting.OTHER,
-    )
-  }
-  for c in collectives:
-    if c.phase == accounting.CHAIN_CHECK or c.group_size <= 1:
-      continue
+
+  def seconds(c: accounting.Collective) -> float:
+    if c.group_size <= 1:
+      return 0.0
     bandwidth = cluster.bandwidth(_spans_nodes(cluster, c.phase, devices, cols))
-    out[c.phase] += (cluster.latency + c.moved_bytes / bandwidth) / every.get(c.phase, 1)
-  return out
+    return cluster.latency + c.moved_bytes / bandwidth
+
+  return accounting.amortised(collectives, factor_update_steps, inv_update_steps, seconds)
 
 
 def modelled_collectives(
@@ -510,15 +507,7 @@ def modelled_collectives(
   """
   out = []
   if gradient_bytes is not None:
-    out.append(
-      accounting.Collective(
-        "all-reduce",
-        accounting.OTHER,
-        devices,
-        int(gradient_bytes),
-        accounting.moved("all-reduce", devices, gradient_bytes),
-      )
-    )
+    out.append(accounting.collective("all-reduce", accounting.OTHER, devices, gradient_bytes))
   if layout is not None:
     out += accounting.layout_collectives(layout, itemsize)
   return out

@@ -660,7 +660,7 @@ def kfac(
   axis_size = hp.static("axis_size", axis_size)
   hp.check_scalar("damping", damping, 0.0, open_low=True)
   hp.check_scalar("factor_decay", factor_decay, 0.0, 1.0)
-  hp.check_steps("factor_update_steps", factor_update_steps)
+  factor_steps_at_zero = hp.check_steps("factor_update_steps", factor_update_steps)
   inv_steps_at_zero = hp.check_steps("inv_update_steps", inv_update_steps)
   if kl_clip is not None:
     hp.check_scalar("kl_clip", kl_clip, 0.0, open_low=True)
@@ -697,7 +697,7 @@ def kfac(
       mesh,
       axis_name,
       axis_size,
-      factor_update_steps=hp.check_steps("factor_update_steps", factor_update_steps),
+      factor_update_steps=factor_steps_at_zero,
       inv_update_steps=inv_steps_at_zero,
       compute_method=compute_method,
       max_cost_ratio=max_cost_ratio,
