@@ -14,16 +14,26 @@ factor costs ``d``. Among equal costs the earlier layer goes first, so the
 assignment is deterministic.
 
 Storage: each device keeps the factors it owns in one flat buffer, and the
-decompositions of its group in another; layers are laid out in plan order. SPMD
-needs one shape for every device, so each buffer is as long as the largest
-device's share; the rest is zeros (the balance slack, reported as overhead).
+decompositions of its group in another. SPMD needs one shape for every device,
+so each buffer is as long as the largest device's share; the rest is zeros (the
+balance slack, reported as overhead).
+
+Stacks: layers whose factors have the same shapes and treatment (every block of
+a transformer, every convolution of a ResNet stage) form a stack on each device
+that owns some of them. A device's buffer holds its stacks one after another;
+within a stack each array of the layers' factors (or decompositions) is stored
+for every member in turn, so it reads as one ``(k, ...)`` array and the stack is
+decomposed and preconditioned by one batched operation, whatever ``k``. Any
+assignment keeps stacks stackable, so the assignment above does not depend on
+them and stays the same for every grad worker fraction.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from kaisa_jax import cost, preconditioning
 from kaisa_jax import layers as layers_lib
@@ -33,6 +43,7 @@ MEMORY = "memory"
 COSTS = (COMPUTE, MEMORY)
 
 Shape = tuple[int, ...]
+T = TypeVar("T")
 
 
 def layer_cost(spec: layers_lib.LayerSpec, treatment: cost.Treatment, kind: str) -> float:
@@ -86,6 +97,30 @@ def size(shapes: Sequence[Shape]) -> int:
   return sum(math.prod(s) for s in shapes)
 
 
+def stack_keys(layers: Sequence[tuple[layers_lib.LayerSpec, cost.Treatment]]) -> tuple[int, ...]:
+  """Per layer, its stack: layers that differ only in their names and places share one.
+
+  Members of a stack have equal weights, factors and treatment, so one batched
+  computation serves them all. Stacks are numbered in order of their first layer.
+  """
+  keys: dict[tuple, int] = {}
+  anonymous = {"name": "", "param_path": (), "param_suffix": (), "param_index": ()}
+  return tuple(
+    keys.setdefault((dataclasses.replace(spec, **anonymous), t), len(keys)) for spec, t in layers
+  )
+
+
+def stacked(stacks: Sequence[Sequence[int]], parts: Callable[[int], Sequence[T]]) -> list[T]:
+  """The parts of the members of ``stacks`` in buffer order.
+
+  ``parts(i)`` lists layer ``i``'s arrays (its two factors, or its
+  decompositions' arrays); members of a stack have the same list of shapes. The
+  order is stack by stack, then array by array, then member by member, so each
+  array of a stack is one contiguous ``(k, ...)`` block.
+  """
+  return [parts(i)[p] for members in stacks for p in range(len(parts(members[0]))) for i in members]
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
   """The assignment of every layer to a device, and the buffer sizes it implies.
@@ -94,6 +129,7 @@ class Layout:
     rows: number of grad-worker groups, ``N / W``.
     cols: grad workers per group, ``W``.
     owners: per layer (in plan order), the ``(group, member)`` that owns it.
+    stack_ids: per layer, its stack (`stack_keys`).
     factor_size: elements of each device's factor buffer.
     decomposition_size: elements of each device's own decompositions.
     gradient_size: elements of each group's preconditioned gradients.
@@ -103,6 +139,7 @@ class Layout:
   rows: int
   cols: int
   owners: tuple[tuple[int, int], ...]
+  stack_ids: tuple[int, ...]
   factor_size: int
   decomposition_size: int
   gradient_size: int
@@ -119,6 +156,24 @@ class Layout:
   def group(self, row: int) -> list[int]:
     """Indices of group ``row``'s layers, member by member."""
     return [i for c in range(self.cols) for i in self.owned(row, c)]
+
+  def stacks(self, row: int, col: int) -> list[list[int]]:
+    """The layers device ``(row, col)`` owns, stack by stack (in order of first layer)."""
+    out: dict[int, list[int]] = {}
+    for i in self.owned(row, col):
+      out.setdefault(self.stack_ids[i], []).append(i)
+    return list(out.values())
+
+  def all_stacks(self) -> list[list[int]]:
+    """Every layer, stack by stack: the stacks as computed where all devices compute all layers."""
+    out: dict[int, list[int]] = {}
+    for i, key in enumerate(self.stack_ids):
+      out.setdefault(key, []).append(i)
+    return list(out.values())
+
+  def group_stacks(self, row: int) -> list[list[int]]:
+    """Group ``row``'s stacks, member by member: the order of its preconditioned gradients."""
+    return [s for c in range(self.cols) for s in self.stacks(row, c)]
 
 
 def make_layout(
@@ -152,4 +207,6 @@ def make_layout(
     sum(s.num_weights for c in range(cols) for s, _ in (layers[i] for i in owned(r, c)))
     for r in range(rows)
   )
-  return Layout(rows, cols, tuple(owners), factor, decomposition, gradient, cost_kind)
+  return Layout(
+    rows, cols, tuple(owners), stack_keys(layers), factor, decomposition, gradient, cost_kind
+  )

@@ -322,7 +322,7 @@ def _layout_state(
       [
         np.stack(
           [
-            buffer([x for i in layout.owned(r, c) for x in parts[names[i]]], size, dtype)
+            buffer(assignment.stacked(layout.stacks(r, c), lambda i: parts[names[i]]), size, dtype)
             for c in range(layout.cols)
           ]
         )

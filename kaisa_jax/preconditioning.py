@@ -59,7 +59,12 @@ def decomposition_dtype(factor_dtype: Any) -> Any:
 
 
 def decompose(factor: Array, method: str, diagonal: bool, damping: Array) -> Decomposition:
-  """Decomposes a batch of factors (``(..., d, d)``, or ``(..., d)`` if diagonal)."""
+  """Decomposes a stack of factors, ``(k, ..., d, d)`` (``(k, ..., d)`` if diagonal).
+
+  Every matrix is decomposed on its own (one batched ``eigh`` or Cholesky for the
+  stack); the Cholesky retry below is decided and sized per entry of the leading
+  axis (one layer), so a member's result does not depend on the others.
+  """
   dtype = decomposition_dtype(factor.dtype)
   factor = factor.astype(dtype)
   if diagonal:
@@ -70,23 +75,27 @@ def decompose(factor: Array, method: str, diagonal: bool, damping: Array) -> Dec
     values, vectors = jnp.linalg.eigh(factor)
     return Decomposition(vectors, jnp.maximum(values, 0.0))
   eye = jnp.eye(factor.shape[-1], dtype=dtype)
+  per_member = (-1, *[1] * (factor.ndim - 1))
 
   def damped_inverse(shift):
     damped = factor + shift * eye
     chol = jax.scipy.linalg.cho_factor(damped, lower=True)
     return jax.scipy.linalg.cho_solve(chol, jnp.broadcast_to(eye, damped.shape))
 
+  def finite(x):
+    return jnp.all(jnp.isfinite(x).reshape(x.shape[0], -1), axis=1).reshape(per_member)
+
   # A factor that is singular up to rounding (rank-deficient batch, dead units)
   # can make the Cholesky fail at a tiny damping; retry once with the damping
   # raised by the rounding error of the factor's diagonal.
   inverse = damped_inverse(damping)
-  jitter = (
-    jnp.finfo(dtype).eps
-    * factor.shape[-1]
-    * jnp.max(jnp.abs(jnp.diagonal(factor, axis1=-2, axis2=-1)))
-  )
+  diag = jnp.abs(jnp.diagonal(factor, axis1=-2, axis2=-1))
+  jitter = jnp.finfo(dtype).eps * factor.shape[-1] * diag.reshape(factor.shape[0], -1).max(axis=1)
+  ok = finite(inverse)
   inverse = jax.lax.cond(
-    jnp.all(jnp.isfinite(inverse)), lambda: inverse, lambda: damped_inverse(damping + jitter)
+    jnp.all(ok),
+    lambda: inverse,
+    lambda: jnp.where(ok, inverse, damped_inverse(damping + jitter.reshape(per_member))),
   )
   return Decomposition(inverse, None)
 

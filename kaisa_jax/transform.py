@@ -245,22 +245,35 @@ def _decomposition_arrays(dec: preconditioning.Decomposition) -> list[Array]:
   return [x for x in dec if x is not None]
 
 
-def _unpack_factors(plan: Plan, buffer: Array, owned: list[int]) -> list[LayerFactors]:
-  """The factors of layers ``owned``, laid out one after another in ``buffer``."""
-  shapes = [x for i in owned for x in assignment.factor_shapes(*plan.layers[i])]
+def _stacked_shapes(members: Sequence[int], shapes: Sequence[tuple[int, ...]]) -> list:
+  return [(len(members), *shape) for shape in shapes]
+
+
+def _factor_stacks(
+  plan: Plan, buffer: Array, stacks: Sequence[Sequence[int]]
+) -> list[LayerFactors]:
+  """The factors of ``stacks`` (see `assignment.stacked`) in ``buffer``, each ``(k, ...)``."""
+  shapes = [
+    x
+    for members in stacks
+    for x in _stacked_shapes(members, assignment.factor_shapes(*plan.layers[members[0]]))
+  ]
   parts = distribution.split(buffer, shapes)
-  return [LayerFactors(parts[2 * k], parts[2 * k + 1]) for k in range(len(owned))]
+  return [LayerFactors(parts[2 * k], parts[2 * k + 1]) for k in range(len(stacks))]
 
 
-def _unpack_decompositions(
-  plan: Plan, buffer: Array, owned: list[int]
+def _decomposition_stacks(
+  plan: Plan, buffer: Array, stacks: Sequence[Sequence[int]]
 ) -> list[LayerDecompositions]:
-  """The decompositions of layers ``owned``, laid out one after another in ``buffer``."""
-  sides = [side for i in owned for side in assignment.decomposition_shapes(*plan.layers[i])]
-  parts = iter(distribution.split(buffer, [x for side in sides for x in side]))
+  """The decompositions of ``stacks`` in ``buffer``, each array ``(k, ...)``."""
+  shapes = []
+  for members in stacks:
+    sides = assignment.decomposition_shapes(*plan.layers[members[0]])
+    shapes += _stacked_shapes(members, [x for side in sides for x in side])
+  parts = iter(distribution.split(buffer, shapes))
   out = []
-  for i in owned:
-    t = plan.layers[i][1]
+  for members in stacks:
+    t = plan.layers[members[0]][1]
     decs = []
     for diag in t.diagonal:
       if diag:
@@ -271,6 +284,52 @@ def _unpack_decompositions(
         decs.append(preconditioning.Decomposition(next(parts), None))
     out.append(LayerDecompositions(*decs))
   return out
+
+
+def _members(stacks: Sequence[Sequence[int]], stacked: Sequence[Any]) -> dict[int, Any]:
+  """Each member's entry of its stack's arrays, by layer index."""
+  return {
+    i: jax.tree.map(lambda x, j=j: x[j], value)
+    for members, value in zip(stacks, stacked, strict=True)
+    for j, i in enumerate(members)
+  }
+
+
+Stacks = dict[tuple[int, ...], Any]
+
+
+def _stack(trees: Sequence[Any]) -> Any:
+  """Pytrees of one structure stacked along a new leading axis."""
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+def _select(stacks: Stacks, members: Sequence[int]) -> Any:
+  """The stacked entries of ``members``: a whole stack as it is, else restacked member by member.
+
+  On one device every stack is whole; a device that owns part of a stack takes
+  its members out of the whole (every device computes every layer's statistics).
+  """
+  if tuple(members) in stacks:
+    return stacks[tuple(members)]
+  where = {i: (key, j) for key in stacks for j, i in enumerate(key)}
+  return _stack([jax.tree.map(lambda x, i=i: x[where[i][1]], stacks[where[i][0]]) for i in members])
+
+
+def _shapes(tree: Any) -> Any:
+  return jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), tree)
+
+
+def _per_stack(plan: Plan, members: Sequence[int], fn, inputs: Sequence[Any]) -> Any:
+  """``fn(spec, input)`` for every member, as one batched computation (`jax.vmap`).
+
+  Members of a stack have the same description but for their names, so the
+  first one's serves them all; members whose inputs differ in shape (a layer
+  applied at two resolutions) are computed one by one.
+  """
+  spec = plan.layers[members[0]][0]
+  if all(_shapes(x) == _shapes(inputs[0]) for x in inputs):
+    return jax.vmap(lambda x: fn(spec, x))(_stack(inputs))
+  return _stack([fn(plan.layers[i][0], x) for i, x in zip(members, inputs, strict=True)])
 
 
 def _switch(index: Array, branches: list, *operands):
@@ -349,20 +408,30 @@ def update_factors(
 ) -> KFACState:
   """Phase 1: folds the current batch's factors into the running averages.
 
-  Every device computes the batch factors of every layer from its own rows;
-  their mean over devices lands on the layer's owner only (one reduce-scatter).
+  Every device computes the batch factors of every layer from its own rows, one
+  batched computation per stack of equal layers; their mean over devices lands
+  on the layer's owner only (one reduce-scatter).
   If any device's share is not finite, no device updates and the skip is
   counted.
   """
   layout = plan.layout
   weight, total = factors_lib.average_weight(state.factor_total, decay)
-  batch = [
-    factors_lib.batch_factors(spec, curvature[spec.name], t.diagonal, dtype, sharing)
-    for spec, t in plan.layers
-  ]
+  batch = {
+    tuple(members): _per_stack(
+      plan,
+      members,
+      lambda spec, c, t=plan.layers[members[0]][1]: factors_lib.batch_factors(
+        spec, c, t.diagonal, dtype, sharing
+      ),
+      [curvature[plan.layers[i][0].name] for i in members],
+    )
+    for members in layout.all_stacks()
+  }
   send = [
     distribution.flatten_into(
-      [x for i in layout.owned(r, c) for x in batch[i]], layout.factor_size, dtype
+      [x for members in layout.stacks(r, c) for x in _select(batch, members)],
+      layout.factor_size,
+      dtype,
     )
     for r in range(layout.rows)
     for c in range(layout.cols)
@@ -379,31 +448,39 @@ def update_factors(
   )
 
 
+def _finite_per_member(x: Array) -> Array:
+  """``(k,)``: whether each entry of a stack's leading axis is finite throughout."""
+  return jnp.all(jnp.isfinite(x).reshape(x.shape[0], -1), axis=1)
+
+
 def decompose_factors(
   plan: Plan, state: KFACState, damping: Array, comm: distribution.Collectives
 ) -> KFACState:
   """Phase 2: each device decomposes the factors it owns; its group receives them.
 
-  A decomposition that is not finite (a failed ``eigh`` or Cholesky) keeps the
-  factor's previous decomposition and is counted.
+  Each stack of equal shapes is decomposed by one batched call. A decomposition
+  that is not finite (a failed ``eigh`` or Cholesky) keeps the factor's previous
+  decomposition and is counted.
   """
   layout = plan.layout
   dtype = preconditioning.decomposition_dtype(state.factors.dtype)
 
   def branch(row: int, col: int):
     def decompose(factors, previous):
-      owned = layout.owned(row, col)
-      old = _unpack_decompositions(plan, previous[0, col], owned)
+      stacks = layout.stacks(row, col)
+      old = _decomposition_stacks(plan, previous[0, col], stacks)
+      new = _factor_stacks(plan, factors[0, 0], stacks)
       out, failures = [], jnp.zeros([], jnp.int32)
-      for i, f, o in zip(owned, _unpack_factors(plan, factors[0, 0], owned), old, strict=True):
-        t = plan.layers[i][1]
+      for members, f, o in zip(stacks, new, old, strict=True):
+        t = plan.layers[members[0]][1]
         for factor, diag, last in zip(f, t.diagonal, o, strict=True):
-          new = _decomposition_arrays(preconditioning.decompose(factor, t.method, diag, damping))
-          ok = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in new]))
+          arrays = _decomposition_arrays(preconditioning.decompose(factor, t.method, diag, damping))
+          ok = jnp.stack([_finite_per_member(x) for x in arrays]).all(axis=0)  # (k,)
           out += [
-            jnp.where(ok, x, y) for x, y in zip(new, _decomposition_arrays(last), strict=True)
+            jnp.where(ok.reshape(-1, *[1] * (x.ndim - 1)), x, y)
+            for x, y in zip(arrays, _decomposition_arrays(last), strict=True)
           ]
-          failures = failures + (~ok).astype(jnp.int32)
+          failures = failures + jnp.sum(~ok, dtype=jnp.int32)
       flat = distribution.flatten_into(out, layout.decomposition_size, dtype)
       return comm.vary(flat[None, None], over_group=True), comm.vary(failures, over_group=True)
 
@@ -428,23 +505,36 @@ def precondition_grads(
   damping: Array,
   dtype: Any,
   comm: distribution.Collectives,
-) -> tuple[dict[str, Array], Array]:
-  """Phase 3: each layer's preconditioned gradient matrix, and ``sum <P, V>``.
+) -> tuple[Stacks, Array]:
+  """Phase 3: the preconditioned gradient matrices, stack by stack, and ``sum <P, V>``.
 
-  Each group preconditions its own layers; the other groups receive them (one
-  all-gather).
+  Returns ``P`` per stack of `assignment.Layout.all_stacks` (keyed by its
+  members, ``(k, groups, a_dim, g_dim)``) and the sum. Each group
+  preconditions its own layers, one batched product per stack of equal
+  shapes; the other groups receive them (one all-gather).
   """
   layout = plan.layout
-  matrices = [layers_lib.to_matrix(spec, grads[spec.name], dtype) for spec, _ in plan.layers]
+  stacks = layout.all_stacks()
+  matrices = {
+    tuple(members): _per_stack(
+      plan,
+      members,
+      lambda spec, g: layers_lib.to_matrix(spec, g, dtype),
+      [grads[plan.layers[i][0].name] for i in members],
+    )
+    for members in stacks
+  }
 
   def branch(row: int):
     def precondition(decompositions):
       out = []
       for col in range(layout.cols):
-        owned = layout.owned(row, col)
-        for i, dec in zip(owned, _unpack_decompositions(plan, decompositions[0, col], owned)):
-          method = plan.layers[i][1].method
-          out.append(preconditioning.precondition(matrices[i], dec.a, dec.g, method, damping))
+        mine = layout.stacks(row, col)
+        decs = _decomposition_stacks(plan, decompositions[0, col], mine)
+        for members, dec in zip(mine, decs, strict=True):
+          method = plan.layers[members[0]][1].method
+          v = _select(matrices, members)
+          out.append(preconditioning.precondition(v, dec.a, dec.g, method, damping))
       flat = distribution.flatten_into(out, layout.gradient_size, dtype)
       return comm.vary(flat[None], over_group=False)
 
@@ -454,18 +544,26 @@ def precondition_grads(
   mine = _switch(row, [branch(r) for r in range(layout.rows)], decompositions)
   with jax.named_scope(GRADIENT_SHARING):
     everyone = comm.gather_receivers(mine)
-  by_index = {}
+  shape = {i: m.shape[1:] for key, m in matrices.items() for i in key}
+  received = {}
   for r in range(layout.rows):
-    group = layout.group(r)
-    by_index.update(
-      zip(group, distribution.split(everyone[r], [matrices[i].shape for i in group]), strict=True)
-    )
+    group = layout.group_stacks(r)
+    parts = distribution.split(everyone[r], [(len(m), *shape[m[0]]) for m in group])
+    received.update(zip(map(tuple, group), parts, strict=True))
+  preconditioned = {tuple(m): _select(received, m) for m in stacks}
   # Summed in plan order, whatever the layout: the float32 sum, and so the KL
-  # clip, are then bit for bit the same for every grad worker fraction.
-  vg_sum = jnp.zeros([], dtype)
-  for i in range(len(plan.layers)):
-    vg_sum = vg_sum + jnp.sum(by_index[i] * matrices[i])
-  return {spec.name: by_index[i] for i, (spec, _) in enumerate(plan.layers)}, vg_sum
+  # clip, are then bit for bit the same for every grad worker fraction. The sum
+  # runs in a loop: XLA would copy a chain of additions into every consumer of
+  # the clip, once per parameter (quadratic in the depth, in compile time and
+  # in work), and it rewrites a reduction of the stacked terms into that chain.
+  terms = jnp.concatenate(
+    [jnp.sum(p * matrices[key], axis=tuple(range(1, p.ndim))) for key, p in preconditioned.items()]
+  )
+  position = jnp.asarray(np.argsort([i for members in stacks for i in members]), jnp.int32)
+  vg_sum = jax.lax.fori_loop(
+    0, len(position), lambda i, acc: acc + terms[position[i]], jnp.zeros([], dtype)
+  )
+  return preconditioned, vg_sum
 
 
 def _collectives(
@@ -790,12 +888,15 @@ def kfac(
       )
 
     replacements: dict[Any, list[tuple[tuple[int, ...], Array]]] = {}
-    for spec, _ in plan.layers:
-      new = layers_lib.from_matrix(spec, nu * preconditioned[spec.name])
-      for key, value in new.items():
-        path = (*spec.param_path, jax.tree_util.DictKey(key), *spec.param_suffix)
-        value = value.astype(grads[spec.name][key].dtype)
-        replacements.setdefault(path, []).append((spec.param_index, value))
+    for members, p in preconditioned.items():
+      first = plan.layers[members[0]][0]  # members share their shapes
+      stacked = jax.vmap(lambda v, spec=first: layers_lib.from_matrix(spec, v))(nu * p)
+      for j, i in enumerate(members):
+        spec = plan.layers[i][0]
+        for key, value in stacked.items():
+          path = (*spec.param_path, jax.tree_util.DictKey(key), *spec.param_suffix)
+          value = value[j].astype(grads[spec.name][key].dtype)
+          replacements.setdefault(path, []).append((spec.param_index, value))
     new_updates = jax.tree_util.tree_map_with_path(
       lambda path, leaf: _replace(leaf, replacements.get(path, ())), updates
     )
@@ -816,9 +917,8 @@ def grouped_factors(plan: Plan, state: KFACState) -> dict[str, LayerFactors]:
   rows, cols = state.factors.shape[:2]
   for r in range(plan.layout.rows):
     for c in range(plan.layout.cols):
-      owned = plan.layout.owned(r, c)
-      buffer = state.factors[r % rows, c % cols]
-      out.update(zip(owned, _unpack_factors(plan, buffer, owned), strict=True))
+      stacks = plan.layout.stacks(r, c)
+      out.update(_members(stacks, _factor_stacks(plan, state.factors[r % rows, c % cols], stacks)))
   return {spec.name: out[i] for i, (spec, _) in enumerate(plan.layers)}
 
 
@@ -828,9 +928,9 @@ def grouped_decompositions(plan: Plan, state: KFACState) -> dict[str, LayerDecom
   rows = state.decompositions.shape[0]
   for r in range(plan.layout.rows):
     for c in range(plan.layout.cols):
-      owned = plan.layout.owned(r, c)
+      stacks = plan.layout.stacks(r, c)
       buffer = state.decompositions[r % rows, c]
-      out.update(zip(owned, _unpack_decompositions(plan, buffer, owned), strict=True))
+      out.update(_members(stacks, _decomposition_stacks(plan, buffer, stacks)))
   return {spec.name: out[i] for i, (spec, _) in enumerate(plan.layers)}
 
 

@@ -1,0 +1,176 @@
+"""Compile time of K-FAC's train step against SGD's, as the model deepens.
+
+For a stack of ``Dense(128)`` layers (8 to 128 of them, batch 64) and for the
+character transformer with its blocks unrolled (no ``nn.scan``; 4, 8 and 16
+blocks), this prints, for SGD (momentum 0.9) and K-FAC chained with it at
+cadence (10, 100):
+
+* the seconds to trace and lower the jitted train step, and to compile it
+  (``jax.jit(step).trace(...).lower()`` then ``.compile()``), each timed once
+  on a cold cache;
+* the step time (median over blocks of 100 steps, SGD and K-FAC taking turns
+  block by block), and K-FAC's ratio to SGD for each figure;
+* how many preconditioned layers the plan has and in how many stacks of equal
+  shapes its decompositions run.
+
+Run: ``python benchmarks/compile_time.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+import kaisa_jax
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.step_time import interleaved_seconds
+from experiments.tasks import CHARS, TransformerBlock
+
+BATCH = 64
+WIDTH = 128
+CADENCE = (10, 100)
+
+
+class DenseStack(nn.Module):
+  depth: int
+
+  @nn.compact
+  def __call__(self, x):
+    for _ in range(self.depth):
+      x = nn.relu(nn.Dense(WIDTH)(x))
+    return nn.Dense(10)(x)
+
+
+class UnrolledTransformer(nn.Module):
+  """`experiments.tasks.CharTransformer` with its blocks as separate layers."""
+
+  depth: int
+  vocab: int = len(CHARS) + 1
+  length: int = 32
+  width: int = 48
+  heads: int = 4
+
+  @nn.compact
+  def __call__(self, ids):
+    tokens = nn.Embed(self.vocab, self.width)
+    positions = jnp.broadcast_to(jnp.arange(ids.shape[-1]), ids.shape)
+    h = tokens(ids) + nn.Embed(self.length, self.width)(positions)
+    for _ in range(self.depth):
+      h, _ = TransformerBlock(self.heads)(h, None)
+    return tokens.attend(nn.LayerNorm()(h))
+
+
+def dense_problem(depth: int):
+  kx, ky = jax.random.split(jax.random.key(0))
+  x = jax.random.normal(kx, (BATCH, WIDTH))
+  y = jax.random.randint(ky, (BATCH,), 0, 10)
+  return DenseStack(depth), x, y
+
+
+def transformer_problem(depth: int):
+  model = UnrolledTransformer(depth)
+  ids = jax.random.randint(jax.random.key(0), (BATCH, model.length + 1), 0, model.vocab)
+  return model, ids[:, :-1], ids[:, 1:]
+
+
+def steps(model: nn.Module, x, y):
+  """The jitted SGD and K-FAC train steps, with their initial states and K-FAC's plan."""
+  params = model.init(jax.random.key(1), x)
+
+  def loss_fn(params, x, y):
+    return optax.softmax_cross_entropy_with_integer_labels(model.apply(params, x), y).mean()
+
+  sgd = optax.sgd(0.01, momentum=0.9)
+
+  def sgd_step(params, opt_state, x, y):
+    grads = jax.grad(loss_fn)(params, x, y)
+    updates, opt_state = sgd.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  grad_fn = kaisa_jax.value_and_grad(loss_fn)
+  with warnings.catch_warnings():  # LayerNorms pass through, as in the transformer task
+    warnings.simplefilter("ignore")
+    kfac = kaisa_jax.kfac(
+      grad_fn.layers(params, x, y),
+      factor_update_steps=CADENCE[0],
+      inv_update_steps=CADENCE[1],
+      lr=0.01,
+    )
+  tx = optax.chain(kfac, optax.sgd(0.01, momentum=0.9))
+
+  def kfac_step(params, opt_state, x, y):
+    _, grads, curvature = grad_fn(params, x, y)
+    updates, opt_state = tx.update(grads, opt_state, params, curvature=curvature)
+    return optax.apply_updates(params, updates), opt_state
+
+  return {
+    "sgd": (sgd_step, (params, sgd.init(params))),
+    "kfac": (kfac_step, (params, tx.init(params))),
+  }, kfac.plan
+
+
+def compile_seconds(fn, args) -> tuple[float, float, object]:
+  """Seconds to trace and lower ``jax.jit(fn)`` on ``args``, seconds to compile, the executable."""
+  start = time.perf_counter()
+  lowered = jax.jit(fn).trace(*args).lower()
+  middle = time.perf_counter()
+  compiled = lowered.compile()
+  return middle - start, time.perf_counter() - middle, compiled
+
+
+def bench(label: str, depth: int, problem, blocks: int) -> dict[str, float]:
+  model, x, y = problem(depth)
+  fns, plan = steps(model, x, y)
+  times, compiled = {}, {}
+  for name, (fn, state) in fns.items():
+    lower, comp, compiled[name] = compile_seconds(fn, (*state, x, y))
+    times[name] = (lower, comp)
+  step = interleaved_seconds(
+    {name: (compiled[name], state) for name, (_, state) in fns.items()}, (x, y), 100, blocks
+  )
+  (sl, sc), (kl, kc) = times["sgd"], times["kfac"]
+  stacks = len(plan.layout.stacks(0, 0))  # one device: every layer is device (0, 0)'s
+  print(
+    f"{label:<12} {depth:>5} {len(plan.layers):>6} {stacks:>6} | {sl:>6.2f} {sc:>7.2f}"
+    f" {sl + sc:>7.2f} | {kl:>6.2f} {kc:>7.2f} {kl + kc:>7.2f} | {(kl + kc) / (sl + sc):>6.1f}x"
+    f" | {step['sgd'] * 1e3:>8.2f} {step['kfac'] * 1e3:>8.2f} {step['kfac'] / step['sgd']:>6.2f}x",
+    flush=True,
+  )
+  return {"sgd": sl + sc, "kfac": kl + kc}
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true", help="fewer depths and timing blocks")
+  args = parser.parse_args()
+  blocks = 2 if args.quick else 3
+  dense = (8, 32) if args.quick else (8, 32, 64, 128)
+  blocks_tf = (4,) if args.quick else (4, 8, 16)
+  print(
+    f"jax {jax.__version__} on {jax.devices()[0].device_kind}, batch {BATCH}, cadence {CADENCE}"
+  )
+  print(
+    f"{'model':<12} {'depth':>5} {'layers':>6} {'stacks':>6} | {'SGD: lower':>6} {'compile':>7}"
+    f" {'total':>7} | {'K-FAC: lower':>6} {'compile':>7} {'total':>7} | {'ratio':>7}"
+    f" | {'SGD ms':>8} {'K-FAC ms':>8} {'ratio':>7}"
+  )
+  totals = {d: bench("dense", d, dense_problem, blocks) for d in dense}
+  for d in blocks_tf:
+    bench("transformer", d, transformer_problem, blocks)
+  first, last = dense[0], dense[-1]
+  for name in ("sgd", "kfac"):
+    growth = totals[last][name] / totals[first][name]
+    print(f"{name} compile growth from {first} to {last} dense layers: {growth:.1f}x")
+
+
+if __name__ == "__main__":
+  main()
