@@ -58,12 +58,33 @@ def decomposition_dtype(factor_dtype: Any) -> Any:
   return jnp.promote_types(factor_dtype, jnp.float32)
 
 
+def _each_matrix(fn: Any, x: Array) -> Any:
+  """``fn`` applied to every ``(d, d)`` matrix of ``x`` (``(..., d, d)``).
+
+  Elsewhere one batched call. On the CPU one matrix at a time, in a loop (one
+  call in the program whatever the number of matrices): jaxlib's batched LAPACK
+  kernels split their batch over XLA's CPU thread pool and wait for the parts
+  on a thread of that same pool, so two batched decompositions running at once
+  on a pool of two threads wait for each other forever (seen on this machine's
+  2 cores with two stacks of 32 layers).
+  """
+  batch = x.shape[:-2]
+  if jax.default_backend() != "cpu":
+    return fn(x)
+  flat = x.reshape(-1, *x.shape[-2:])
+  if flat.shape[0] == 1:
+    out = jax.tree.map(lambda y: y[None], fn(flat[0]))
+  else:
+    out = jax.lax.map(fn, flat)
+  return jax.tree.map(lambda y: y.reshape(*batch, *y.shape[1:]), out)
+
+
 def decompose(factor: Array, method: str, diagonal: bool, damping: Array) -> Decomposition:
   """Decomposes a stack of factors, ``(k, ..., d, d)`` (``(k, ..., d)`` if diagonal).
 
-  Every matrix is decomposed on its own (one batched ``eigh`` or Cholesky for the
-  stack); the Cholesky retry below is decided and sized per entry of the leading
-  axis (one layer), so a member's result does not depend on the others.
+  Every matrix is decomposed on its own; the Cholesky retry below is decided
+  and sized per entry of the leading axis (one layer), so a member's result does
+  not depend on the others.
   """
   dtype = decomposition_dtype(factor.dtype)
   factor = factor.astype(dtype)
@@ -72,13 +93,12 @@ def decompose(factor: Array, method: str, diagonal: bool, damping: Array) -> Dec
     return Decomposition(None, values if method == EIGEN else 1.0 / (values + damping))
   factor = 0.5 * (factor + jnp.swapaxes(factor, -1, -2))
   if method == EIGEN:
-    values, vectors = jnp.linalg.eigh(factor)
+    values, vectors = _each_matrix(jnp.linalg.eigh, factor)
     return Decomposition(vectors, jnp.maximum(values, 0.0))
   eye = jnp.eye(factor.shape[-1], dtype=dtype)
   per_member = (-1, *[1] * (factor.ndim - 1))
 
-  def damped_inverse(shift):
-    damped = factor + shift * eye
+  def cholesky_inverse(damped):
     chol = jax.scipy.linalg.cho_factor(damped, lower=True)
     return jax.scipy.linalg.cho_solve(chol, jnp.broadcast_to(eye, damped.shape))
 
@@ -88,14 +108,15 @@ def decompose(factor: Array, method: str, diagonal: bool, damping: Array) -> Dec
   # A factor that is singular up to rounding (rank-deficient batch, dead units)
   # can make the Cholesky fail at a tiny damping; retry once with the damping
   # raised by the rounding error of the factor's diagonal.
-  inverse = damped_inverse(damping)
+  inverse = _each_matrix(cholesky_inverse, factor + damping * eye)
   diag = jnp.abs(jnp.diagonal(factor, axis1=-2, axis2=-1))
   jitter = jnp.finfo(dtype).eps * factor.shape[-1] * diag.reshape(factor.shape[0], -1).max(axis=1)
   ok = finite(inverse)
+  retry = damping + jitter.reshape(per_member)
   inverse = jax.lax.cond(
     jnp.all(ok),
     lambda: inverse,
-    lambda: jnp.where(ok, inverse, damped_inverse(damping + jitter.reshape(per_member))),
+    lambda: jnp.where(ok, inverse, _each_matrix(cholesky_inverse, factor + retry * eye)),
   )
   return Decomposition(inverse, None)
 

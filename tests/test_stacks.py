@@ -1,0 +1,183 @@
+"""Stacks: layers that differ only in their names are computed as one batch.
+
+A stack's factor statistics, decompositions and preconditioned gradients are
+each one batched computation. Its results are checked against the same layers
+computed one by one (every layer its own stack) and, for the decompositions,
+against each factor decomposed alone.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import kaisa_jax
+from kaisa_jax import assignment, cost, preconditioning
+from kaisa_jax.layers import LayerSpec
+
+EIGEN = cost.Treatment("eigen")
+INVERSE = cost.Treatment("inverse")
+
+
+def dense(name, a, g):
+  return LayerSpec(name, (name,), "dense", (a - 1, g), has_bias=True)
+
+
+def test_layers_that_differ_only_in_name_and_place_share_a_stack():
+  layers = [
+    (dense("a", 5, 3), EIGEN),
+    (dense("b", 5, 3), EIGEN),
+    (dense("c", 4, 3), EIGEN),
+    (dense("d", 5, 3), EIGEN),
+    (dense("e", 5, 3), INVERSE),  # another treatment
+    (LayerSpec("f", ("f",), "dense", (4, 3), has_bias=False), EIGEN),  # no bias: 4 x 3 too
+  ]
+  assert assignment.stack_keys(layers) == (0, 0, 1, 0, 2, 3)
+  one = assignment.make_layout(layers, 1, 1)
+  assert one.stacks(0, 0) == one.all_stacks() == [[0, 1, 3], [2], [4], [5]]
+  grid = assignment.make_layout(layers, 2, 2)
+  for r in range(2):
+    for c in range(2):
+      stacks = grid.stacks(r, c)
+      assert sorted(i for s in stacks for i in s) == grid.owned(r, c)
+      assert all(len({grid.stack_ids[i] for i in s}) == 1 for s in stacks)
+      assert len({grid.stack_ids[s[0]] for s in stacks}) == len(stacks)
+    assert sorted(i for s in grid.group_stacks(r) for i in s) == sorted(grid.group(r))
+  # The assignment itself does not depend on the stacks: as for layers apart.
+  assert grid.owners == assignment.make_layout(layers, 2, 2).owners
+
+
+def test_buffer_order_is_stack_by_stack_then_array_then_member():
+  parts = {0: ["A0", "G0"], 1: ["A1", "G1"], 2: ["A2", "G2"]}
+  order = assignment.stacked([[0, 2], [1]], parts.__getitem__)
+  assert order == ["A0", "A2", "G0", "G2", "A1", "G1"]
+
+
+def _factors(k, d, rank, seed):
+  rows = jax.random.normal(jax.random.key(seed), (k, 1, rank, d))
+  return jnp.einsum("kgrd,kgre->kgde", rows, rows) / rank
+
+
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_a_stack_decomposes_every_member_as_if_alone(method):
+  stack = _factors(5, 12, 40, 0)
+  damping = jnp.float32(1e-3)
+  together = preconditioning.decompose(stack, method, False, damping)
+  for j in range(stack.shape[0]):
+    alone = preconditioning.decompose(stack[j : j + 1], method, False, damping)
+    for x, y in zip(together, alone, strict=True):
+      if x is not None:
+        np.testing.assert_array_equal(x[j : j + 1], y)
+
+
+def test_the_cholesky_retry_is_decided_per_member():
+  """One member singular at a tiny damping: only it is retried, with its own jitter."""
+  good = _factors(3, 16, 64, 1)
+  singular = jnp.zeros((1, 1, 16, 16)).at[0, 0, 0, 0].set(1.0)  # rank 1
+  stack = jnp.concatenate([good[:1], singular, good[1:]])
+  damping = jnp.float32(0.0)
+  inverse = preconditioning.decompose(stack, "inverse", False, damping).basis
+  assert np.isfinite(np.asarray(inverse[0])).all()
+  for j, member in enumerate([good[0], None, good[1], good[2]]):
+    alone = preconditioning.decompose(stack[j : j + 1], "inverse", False, damping).basis
+    np.testing.assert_array_equal(inverse[j : j + 1], alone)
+    if member is not None:  # no retry: the plain damped inverse
+      np.testing.assert_allclose(
+        np.asarray(inverse[j, 0]) @ np.asarray(member[0], np.float64), np.eye(16), atol=1e-3
+      )
+  assert np.isfinite(np.asarray(inverse[1])).all()  # retried with its own, larger damping
+
+
+class Tower(nn.Module):
+  """An input layer, six equal hidden layers, one of them applied to twice the rows, a head."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.tanh(nn.Dense(16)(x))
+    for i in range(6):
+      if i == 3:  # same layer description, inputs of another shape: computed one by one
+        pair = jnp.stack([h, -h], axis=1)
+        h = nn.tanh(nn.Dense(16)(pair)).mean(axis=1)
+      else:
+        h = nn.tanh(nn.Dense(16)(h))
+    return nn.Dense(4)(h)
+
+
+def _train(monkeypatch, apart: bool, compute_method: str):
+  """Four K-FAC+SGD steps; with ``apart`` every layer is its own stack."""
+  if apart:
+    monkeypatch.setattr(assignment, "stack_keys", lambda layers: tuple(range(len(layers))))
+  model = Tower()
+  x = jax.random.normal(jax.random.key(0), (32, 10))
+  y = jax.random.normal(jax.random.key(1), (32, 4))
+  params = model.init(jax.random.key(2), x)
+  grad_fn = kaisa_jax.value_and_grad(lambda p, x, y: optax.l2_loss(model.apply(p, x), y).mean())
+  kfac = kaisa_jax.kfac(
+    grad_fn.layers(params, x, y),
+    lr=0.1,
+    factor_update_steps=1,
+    inv_update_steps=2,
+    compute_method=compute_method,
+    max_cost_ratio=None,
+  )
+  tx = optax.chain(kfac, optax.sgd(0.1, momentum=0.9))
+
+  @jax.jit
+  def step(params, state):
+    _, grads, curvature = grad_fn(params, x, y)
+    updates, state = tx.update(grads, state, params, curvature=curvature)
+    return optax.apply_updates(params, updates), state
+
+  state = tx.init(params)
+  for _ in range(4):
+    params, state = step(params, state)
+  return kfac, params, kaisa_jax.layer_factors(kfac.plan, state[0])
+
+
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_stacked_layers_train_as_layers_computed_one_by_one(monkeypatch, method):
+  kfac, params, factors = _train(monkeypatch, apart=False, compute_method=method)
+  stacks = kfac.plan.layout.all_stacks()
+  assert sorted(len(s) for s in stacks) == [1, 1, 6]  # input layer, head, the six hidden
+  with monkeypatch.context() as m:
+    apart, ref_params, ref_factors = _train(m, apart=True, compute_method=method)
+  assert len(apart.plan.layout.all_stacks()) == 8
+  # Bit for bit: a batched computation computes each member as it would alone.
+  for name, (a, g) in ref_factors.items():
+    np.testing.assert_array_equal(factors[name].a, a, err_msg=name)
+    np.testing.assert_array_equal(factors[name].g, g, err_msg=name)
+  for p, q in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
+    np.testing.assert_array_equal(p, q)
+  initial = Tower().init(jax.random.key(2), jnp.zeros((1, 10)))
+  assert (
+    max(float(jnp.abs(p - q).max()) for p, q in zip(*map(jax.tree.leaves, (params, initial))))
+    > 1e-2
+  )
+
+
+def test_a_stack_is_one_batched_decomposition():
+  """Sixteen equal layers: two eigendecompositions in the program, not thirty-two."""
+
+  class Deep(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      for _ in range(16):
+        x = nn.tanh(nn.Dense(8)(x))
+      return x
+
+  model = Deep()
+  x = jnp.ones((4, 8))
+  params = model.init(jax.random.key(0), x)
+  grad_fn = kaisa_jax.value_and_grad(lambda p, x: jnp.mean(model.apply(p, x) ** 2))
+  kfac = kaisa_jax.kfac(grad_fn.layers(params, x), lr=0.1)
+
+  def step(params, state):
+    _, grads, curvature = grad_fn(params, x)
+    return kfac.update(grads, state, params, curvature=curvature)
+
+  jaxpr = jax.make_jaxpr(step)(params, kfac.init(params))
+  text = str(jaxpr)
+  assert text.count("eigh[") == 2
+  assert len(kfac.plan.layout.all_stacks()) == 1
