@@ -14,7 +14,14 @@ Each step, with ``k`` the step count kept in the state:
 
 Steps 1 and 2 sit under `jax.lax.cond`: work that a step skips is not executed,
 and one compiled step serves every step. The state is stored in slots (see
-`kaisa_jax.assignment`): on one device, one slot per layer.
+`kaisa_jax.assignment`): on one device, one slot per layer. Layers that differ
+only in their names (the blocks of a transformer, the convolutions of a ResNet
+stage) form stacks: each phase computes a stack as one batch (`jax.vmap` of the
+per-layer computation, batched ``eigh``, Cholesky and matrix products), so the
+compiled step does not grow with the number of equal layers but with the number
+of stacks. Each member's numbers are bit for bit those it has computed alone;
+the KL clip's sum over layers adds stack by stack, so with the clip on a step
+agrees with one computed layer by layer to float32 rounding.
 """
 
 from __future__ import annotations
@@ -107,9 +114,12 @@ class Plan:
     k = max([6, *(len(s.kind) for s, _ in self.layers)])
     lines = [
       f"{'layer':<{w}} {'kind':<{k}} {'A':>12} {'G':>12}  {'treatment':<22} {'cost/layer':>10}"
-      f" {'group':>5} {'worker':>6}"
+      f" {'group':>5} {'worker':>6} {'stack':>5}"
     ]
-    for (spec, t), (row, col) in zip(self.layers, self.layout.owners, strict=True):
+    layout = self.layout
+    for (spec, t), (row, col), stack in zip(
+      self.layers, layout.owners, layout.stack_ids, strict=True
+    ):
       sides = []
       for dim, diag in zip((spec.a_dim, spec.g_dim), t.diagonal, strict=True):
         shape = f"{dim}" if diag else f"{dim}x{dim}"
@@ -117,17 +127,17 @@ class Plan:
       ratio = cost.step_cost_ratio(_whole_batch(spec, self.collectives), t, self.inv_update_steps)
       lines.append(
         f"{spec.name:<{w}} {spec.kind:<{k}} {sides[0]:>12} {sides[1]:>12}  {t!s:<22}"
-        f" {ratio:>9.2f}x {row:>5} {col:>6}"
+        f" {ratio:>9.2f}x {row:>5} {col:>6} {stack:>5}"
       )
     for x in self.skipped:
       lines.append(f"{x.name:<{w}} not preconditioned ({x.module_type}): {x.reason}")
-    layout = self.layout
     real = sum(assignment.size(assignment.factor_shapes(s, t)) for s, t in self.layers)
     slack = layout.devices * layout.factor_size / max(real, 1) - 1
     lines.append(
       f"{layout.rows} group(s) x {layout.cols} grad worker(s), assignment by "
       f"{layout.cost_kind} cost; factor buffer {layout.factor_size} elements per device "
-      f"({100 * slack:.0f}% balance slack)"
+      f"({100 * slack:.0f}% balance slack); {len(layout.all_stacks())} stack(s) of equal layers, "
+      "each decomposed and preconditioned as one batch"
     )
     return "\n".join(lines)
 
@@ -319,6 +329,13 @@ def _shapes(tree: Any) -> Any:
   return jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), tree)
 
 
+def _vmap(fn, stacked: Any) -> Any:
+  """``jax.vmap(fn)(stacked)``; a stack of one is computed as the layer alone."""
+  if jax.tree.leaves(stacked)[0].shape[0] == 1:
+    return jax.tree.map(lambda x: x[None], fn(jax.tree.map(lambda x: x[0], stacked)))
+  return jax.vmap(fn)(stacked)
+
+
 def _per_stack(plan: Plan, members: Sequence[int], fn, inputs: Sequence[Any]) -> Any:
   """``fn(spec, input)`` for every member, as one batched computation (`jax.vmap`).
 
@@ -327,8 +344,10 @@ def _per_stack(plan: Plan, members: Sequence[int], fn, inputs: Sequence[Any]) ->
   applied at two resolutions) are computed one by one.
   """
   spec = plan.layers[members[0]][0]
+  if len(members) == 1:  # as a layer apart: no copy into a stack of one
+    return jax.tree.map(lambda x: x[None], fn(spec, inputs[0]))
   if all(_shapes(x) == _shapes(inputs[0]) for x in inputs):
-    return jax.vmap(lambda x: fn(spec, x))(_stack(inputs))
+    return _vmap(lambda x: fn(spec, x), _stack(inputs))
   return _stack([fn(plan.layers[i][0], x) for i, x in zip(members, inputs, strict=True)])
 
 
@@ -551,18 +570,14 @@ def precondition_grads(
     parts = distribution.split(everyone[r], [(len(m), *shape[m[0]]) for m in group])
     received.update(zip(map(tuple, group), parts, strict=True))
   preconditioned = {tuple(m): _select(received, m) for m in stacks}
-  # Summed in plan order, whatever the layout: the float32 sum, and so the KL
-  # clip, are then bit for bit the same for every grad worker fraction. The sum
-  # runs in a loop: XLA would copy a chain of additions into every consumer of
-  # the clip, once per parameter (quadratic in the depth, in compile time and
-  # in work), and it rewrites a reduction of the stacked terms into that chain.
-  terms = jnp.concatenate(
-    [jnp.sum(p * matrices[key], axis=tuple(range(1, p.ndim))) for key, p in preconditioned.items()]
-  )
-  position = jnp.asarray(np.argsort([i for members in stacks for i in members]), jnp.int32)
-  vg_sum = jax.lax.fori_loop(
-    0, len(position), lambda i, acc: acc + terms[position[i]], jnp.zeros([], dtype)
-  )
+  # Summed stack by stack over the stacks of all layers, whatever the layout: the
+  # float32 sum, and so the KL clip, are then bit for bit the same for every grad
+  # worker fraction. One reduction per stack: XLA copies the additions that
+  # produce the clip into every parameter's update, so a sum layer by layer
+  # would cost compile time and work quadratic in the depth.
+  vg_sum = jnp.zeros([], dtype)
+  for key, p in preconditioned.items():
+    vg_sum = vg_sum + jnp.sum(p * matrices[key])
   return preconditioned, vg_sum
 
 
@@ -890,7 +905,7 @@ def kfac(
     replacements: dict[Any, list[tuple[tuple[int, ...], Array]]] = {}
     for members, p in preconditioned.items():
       first = plan.layers[members[0]][0]  # members share their shapes
-      stacked = jax.vmap(lambda v, spec=first: layers_lib.from_matrix(spec, v))(nu * p)
+      stacked = _vmap(lambda v, spec=first: layers_lib.from_matrix(spec, v), nu * p)
       for j, i in enumerate(members):
         spec = plan.layers[i][0]
         for key, value in stacked.items():
