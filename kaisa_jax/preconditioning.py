@@ -79,6 +79,11 @@ def _each_matrix(fn: Any, x: Array) -> Any:
   return jax.tree.map(lambda y: y.reshape(*batch, *y.shape[1:]), out)
 
 
+def finite_per_member(x: Array) -> Array:
+  """``(k,)``: whether each entry of a stack's leading axis is finite throughout."""
+  return jnp.all(jnp.isfinite(x).reshape(x.shape[0], -1), axis=1)
+
+
 def decompose(factor: Array, method: str, diagonal: bool, damping: Array) -> Decomposition:
   """Decomposes a stack of factors, ``(k, ..., d, d)`` (``(k, ..., d)`` if diagonal).
 
@@ -102,16 +107,13 @@ def decompose(factor: Array, method: str, diagonal: bool, damping: Array) -> Dec
     chol = jax.scipy.linalg.cho_factor(damped, lower=True)
     return jax.scipy.linalg.cho_solve(chol, jnp.broadcast_to(eye, damped.shape))
 
-  def finite(x):
-    return jnp.all(jnp.isfinite(x).reshape(x.shape[0], -1), axis=1).reshape(per_member)
-
   # A factor that is singular up to rounding (rank-deficient batch, dead units)
   # can make the Cholesky fail at a tiny damping; retry once with the damping
   # raised by the rounding error of the factor's diagonal.
   inverse = _each_matrix(cholesky_inverse, factor + damping * eye)
   diag = jnp.abs(jnp.diagonal(factor, axis1=-2, axis2=-1))
   jitter = jnp.finfo(dtype).eps * factor.shape[-1] * diag.reshape(factor.shape[0], -1).max(axis=1)
-  ok = finite(inverse)
+  ok = finite_per_member(inverse).reshape(per_member)
   retry = damping + jitter.reshape(per_member)
   inverse = jax.lax.cond(
     jnp.all(ok),

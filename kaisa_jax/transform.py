@@ -344,8 +344,6 @@ def _per_stack(plan: Plan, members: Sequence[int], fn, inputs: Sequence[Any]) ->
   applied at two resolutions) are computed one by one.
   """
   spec = plan.layers[members[0]][0]
-  if len(members) == 1:  # as a layer apart: no copy into a stack of one
-    return jax.tree.map(lambda x: x[None], fn(spec, inputs[0]))
   if all(_shapes(x) == _shapes(inputs[0]) for x in inputs):
     return _vmap(lambda x: fn(spec, x), _stack(inputs))
   return _stack([fn(plan.layers[i][0], x) for i, x in zip(members, inputs, strict=True)])
@@ -467,11 +465,6 @@ def update_factors(
   )
 
 
-def _finite_per_member(x: Array) -> Array:
-  """``(k,)``: whether each entry of a stack's leading axis is finite throughout."""
-  return jnp.all(jnp.isfinite(x).reshape(x.shape[0], -1), axis=1)
-
-
 def decompose_factors(
   plan: Plan, state: KFACState, damping: Array, comm: distribution.Collectives
 ) -> KFACState:
@@ -494,7 +487,7 @@ def decompose_factors(
         t = plan.layers[members[0]][1]
         for factor, diag, last in zip(f, t.diagonal, o, strict=True):
           arrays = _decomposition_arrays(preconditioning.decompose(factor, t.method, diag, damping))
-          ok = jnp.stack([_finite_per_member(x) for x in arrays]).all(axis=0)  # (k,)
+          ok = jnp.stack([preconditioning.finite_per_member(x) for x in arrays]).all(axis=0)
           out += [
             jnp.where(ok.reshape(-1, *[1] * (x.ndim - 1)), x, y)
             for x, y in zip(arrays, _decomposition_arrays(last), strict=True)
