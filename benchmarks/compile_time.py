@@ -138,7 +138,7 @@ def bench(label: str, depth: int, problem, blocks: int) -> dict[str, float]:
     {name: (compiled[name], state) for name, (_, state) in fns.items()}, (x, y), 100, blocks
   )
   (sl, sc), (kl, kc) = times["sgd"], times["kfac"]
-  stacks = len(plan.layout.stacks(0, 0))  # one device: every layer is device (0, 0)'s
+  stacks = len(plan.layout.all_stacks())
   print(
     f"{label:<12} {depth:>5} {len(plan.layers):>6} {stacks:>6} | {sl:>6.2f} {sc:>7.2f}"
     f" {sl + sc:>7.2f} | {kl:>6.2f} {kc:>7.2f} {kl + kc:>7.2f} | {(kl + kc) / (sl + sc):>6.1f}x"
