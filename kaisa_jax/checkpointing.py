@@ -77,6 +77,7 @@ def _unstack(plan: transform.Plan, state: transform.KFACState) -> transform.KFAC
     factors=state.factors.reshape(rows, cols, -1),
     decompositions=state.decompositions[::cols, 0],
     **{k: getattr(state, k)[0] for k in _SCALARS},
+    stack_offsets=tuple(x[0] for x in state.stack_offsets),
   )
 
 
@@ -338,6 +339,7 @@ def _layout_state(
     skipped_factor_updates=np.asarray(portable.skipped_factor_updates, np.int32),
     failed_decompositions=np.asarray(portable.failed_decompositions, np.int32),
     refresh=np.asarray(refresh),
+    stack_offsets=tuple(np.asarray(x) for x in transform.stack_offsets(plan)),
   )
 
 
@@ -359,6 +361,7 @@ def _place(kfac: transform.KFAC, portable: PortableKFACState) -> transform.KFACS
         n, 1, layout.cols, -1
       ),
       **{k: np.stack([getattr(state, k)] * n) for k in _SCALARS},
+      stack_offsets=tuple(np.stack([x] * n) for x in state.stack_offsets),
     )
     return jax.tree.map(jnp.asarray, stacked)
   return jax.tree.map(jnp.asarray, state)

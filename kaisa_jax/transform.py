@@ -69,6 +69,12 @@ class KFACState(NamedTuple):
       back not finite; each kept that factor's last good decomposition.
     refresh: decompose at the next step whatever the cadence (set when a
       checkpoint is restored with another treatment of some layer).
+    stack_offsets: ``0, 1, ..., K - 1`` (int32 scalars, ``K`` the size of the
+      largest stack of equal layers): where each member's result lies in its
+      stack's. Constants, held as arrays on purpose: XLA compiles an update
+      that reads its layer at a constant offset into a kernel of its own for
+      every layer, but one kernel for all the members of a stack when the
+      offset is a runtime value, so compile time stays flat with depth.
 
   Under ``shard_map`` the global arrays are ``(N / W, W, ...)``: factors split
   over both mesh axes, decompositions over the receivers axis.
@@ -81,6 +87,7 @@ class KFACState(NamedTuple):
   skipped_factor_updates: Array
   failed_decompositions: Array
   refresh: Array
+  stack_offsets: tuple[Array, ...]
 
 
 class LayerFactors(NamedTuple):
@@ -217,7 +224,8 @@ def _check_curvature(curvature: Any, plan: Plan) -> None:
       f"(missing {missing}, unexpected {extra}): build kfac from "
       "grad_fn.layers(...) of the same kaisa_jax.value_and_grad that computes the curvature"
     )
-  for spec, _ in plan.layers:
+  checked = set()  # members of a stack with equal arrays pass or fail alike: check one
+  for (spec, _), stack in zip(plan.layers, plan.layout.stack_ids, strict=True):
     entry = curvature[spec.name]
     if len(entry.a) != spec.calls:
       raise ValueError(
@@ -225,7 +233,10 @@ def _check_curvature(curvature: Any, plan: Plan) -> None:
         "times when kfac's layers were traced"
       )
     for method, a, g in zip(spec.methods, entry.a, entry.g, strict=True):
-      _check_call(spec, method, a, g)
+      key = (stack, method, _shapes((a, g)))
+      if key not in checked:
+        _check_call(spec, method, a, g)
+        checked.add(key)
 
 
 def _check_call(spec: layers_lib.LayerSpec, method: str, a: Any, g: Any) -> None:
@@ -347,6 +358,12 @@ def _per_stack(plan: Plan, members: Sequence[int], fn, inputs: Sequence[Any]) ->
   if all(_shapes(x) == _shapes(inputs[0]) for x in inputs):
     return _vmap(lambda x: fn(spec, x), _stack(inputs))
   return _stack([fn(plan.layers[i][0], x) for i, x in zip(members, inputs, strict=True)])
+
+
+def stack_offsets(plan: Plan) -> tuple[Array, ...]:
+  """`KFACState.stack_offsets` for ``plan``: ``0, ..., K - 1``, ``K`` its largest stack."""
+  largest = max((len(m) for m in plan.layout.all_stacks()), default=0)
+  return tuple(jnp.asarray(j, jnp.int32) for j in range(largest))
 
 
 def _switch(index: Array, branches: list, *operands):
@@ -832,6 +849,7 @@ def kfac(
     )
   dec_dtype = preconditioning.decomposition_dtype(factor_dtype)
   check_layer = _alignment_layer(plan)
+  offsets = stack_offsets(plan)
 
   def zero_state(rows: int, cols: int) -> KFACState:
     return KFACState(
@@ -842,6 +860,7 @@ def kfac(
       skipped_factor_updates=jnp.zeros([], jnp.int32),
       failed_decompositions=jnp.zeros([], jnp.int32),
       refresh=jnp.zeros([], bool),
+      stack_offsets=offsets,
     )
 
   def init_fn(params: Any) -> KFACState:
@@ -855,6 +874,12 @@ def kfac(
   def update_fn(updates, state, params=None, *, curvature: Curvature | None = None, **extra):
     del params, extra
     _check_curvature(curvature, plan)
+    if len(state.stack_offsets) != len(offsets):
+      raise ValueError(
+        f"this K-FAC state has {len(state.stack_offsets)} stack offsets where this kfac's plan "
+        f"needs {len(offsets)}: it was made by another kfac. Start from this kfac's init, or "
+        "carry a state over with kaisa_jax.to_portable and kaisa_jax.from_portable"
+      )
     comm.check()
     grads = _layer_params(updates, plan, "updates")
     step = state.count
@@ -903,7 +928,8 @@ def kfac(
         spec = plan.layers[i][0]
         for key, value in stacked.items():
           path = (*spec.param_path, jax.tree_util.DictKey(key), *spec.param_suffix)
-          value = value[j].astype(grads[spec.name][key].dtype)
+          value = jax.lax.dynamic_index_in_dim(value, state.stack_offsets[j], keepdims=False)
+          value = value.astype(grads[spec.name][key].dtype)
           replacements.setdefault(path, []).append((spec.param_index, value))
     new_updates = jax.tree_util.tree_map_with_path(
       lambda path, leaf: _replace(leaf, replacements.get(path, ())), updates
@@ -971,8 +997,7 @@ def state_partition_specs(state: KFACState) -> KFACState:
   """The ``shard_map`` specs of a `KFACState` made for a mesh."""
   owned = P(distribution.RECEIVERS, distribution.GRAD_WORKERS)
   group = P(distribution.RECEIVERS)
-  del state
-  return KFACState(P(), P(), owned, group, P(), P(), P())
+  return KFACState(P(), P(), owned, group, P(), P(), P(), (P(),) * len(state.stack_offsets))
 
 
 def partition_specs(tree: Any) -> Any:

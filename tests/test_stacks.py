@@ -165,18 +165,20 @@ def test_with_the_kl_clip_stacks_agree_to_float32_rounding(monkeypatch):
     np.testing.assert_allclose(p, q, rtol=1e-5, atol=1e-6)
 
 
-def test_a_stack_is_one_batched_decomposition():
-  """Sixteen equal layers: two eigendecompositions in the program, not thirty-two."""
+class Deep(nn.Module):
+  depth: int = 16
 
-  class Deep(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-      for _ in range(16):
-        x = nn.tanh(nn.Dense(8)(x))
-      return x
+  @nn.compact
+  def __call__(self, x):
+    for _ in range(self.depth):
+      x = nn.tanh(nn.Dense(8)(x))
+    return x
 
-  model = Deep()
-  x = jnp.ones((4, 8))
+
+def _deep(depth: int = 16):
+  """A kfac for ``depth`` equal layers (one stack) and its update on one batch."""
+  model = Deep(depth)
+  x = jax.random.normal(jax.random.key(3), (4, 8))
   params = model.init(jax.random.key(0), x)
   grad_fn = kaisa_jax.value_and_grad(lambda p, x: jnp.mean(model.apply(p, x) ** 2))
   kfac = kaisa_jax.kfac(grad_fn.layers(params, x), lr=0.1)
@@ -185,7 +187,40 @@ def test_a_stack_is_one_batched_decomposition():
     _, grads, curvature = grad_fn(params, x)
     return kfac.update(grads, state, params, curvature=curvature)
 
+  return kfac, params, step
+
+
+def test_a_stack_is_one_batched_decomposition():
+  """Sixteen equal layers: two eigendecompositions in the program, not thirty-two."""
+  kfac, params, step = _deep()
   jaxpr = jax.make_jaxpr(step)(params, kfac.init(params))
   text = str(jaxpr)
   assert text.count("eigh[") == 2
   assert len(kfac.plan.layout.all_stacks()) == 1
+
+
+def test_members_read_their_results_at_the_offsets_in_the_state():
+  """The offsets are runtime values (so members share compiled kernels): reversed, so are the
+  members' updates."""
+  kfac, params, step = _deep()
+  state = kfac.init(params)
+  assert [int(x) for x in state.stack_offsets] == list(range(16))
+  updates, _ = jax.jit(step)(params, state)
+  flipped = state._replace(stack_offsets=state.stack_offsets[::-1])
+  swapped, _ = jax.jit(step)(params, flipped)
+  names = [f"Dense_{i}" for i in range(16)]
+  for i, name in enumerate(names):
+    for key in ("kernel", "bias"):
+      np.testing.assert_array_equal(
+        swapped["params"][name][key], updates["params"][names[15 - i]][key], err_msg=name
+      )
+  assert not np.array_equal(
+    updates["params"]["Dense_0"]["kernel"], swapped["params"]["Dense_0"]["kernel"]
+  )
+
+
+def test_a_state_with_other_stacks_raises():
+  _, params, step = _deep(16)
+  other, other_params, _ = _deep(4)
+  with pytest.raises(ValueError, match="4 stack offsets where this kfac's plan needs 16"):
+    step(params, other.init(other_params))
