@@ -179,7 +179,7 @@ def bench_model(name: str, blocks: int) -> None:
 
     def precondition(layer_grads, state, plan=plan):
       return transform.precondition_grads(
-        plan, layer_grads, state.decompositions, DAMPING, jnp.float32, SINGLE
+        plan, layer_grads, state.decompositions, DAMPING, jnp.float32, SINGLE, state.stack_offsets
       )
 
     state = jax.jit(factors)(state, curvature)

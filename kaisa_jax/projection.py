@@ -389,9 +389,11 @@ def kfac_work(
     ),
     decompositions=cost_of(lambda s: transform.decompose_factors(plan, s, damping, comm), state),
     preconditioning=cost_of(
-      lambda g, d: transform.precondition_grads(plan, g, d, damping, dec_dtype, comm),
+      lambda g, s: transform.precondition_grads(
+        plan, g, s.decompositions, damping, dec_dtype, comm, s.stack_offsets
+      ),
       layer_grads,
-      state.decompositions,
+      state,
     ),
     factor_update_steps=factor_update_steps,
     inv_update_steps=inv_update_steps,
