@@ -364,9 +364,8 @@ def _by_member(fn, offsets: Sequence[Array], stacks: Sequence[Any], *shared: Any
   k = jax.tree.leaves(stacks)[0].shape[0]
   if k == 1 or jax.default_backend() != "cpu":
     return fn(*stacks, *shared)
-  one = fn
   parts = [
-    one(*jax.tree.map(lambda x, o=o: jax.lax.dynamic_slice_in_dim(x, o, 1), stacks), *shared)
+    fn(*jax.tree.map(lambda x, o=o: jax.lax.dynamic_slice_in_dim(x, o, 1), stacks), *shared)
     for o in offsets[:k]
   ]
   return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
