@@ -27,7 +27,6 @@ agrees with one computed layer by layer to float32 rounding.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import warnings
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -348,7 +347,7 @@ def _vmap(fn, stacked: Any) -> Any:
   return jax.vmap(fn)(stacked)
 
 
-def _by_member(fn, offsets: Sequence[Array], stacks: Sequence[Any], *shared: Any) -> Any:
+def _by_member(fn, offsets: Sequence[Array], *stacks: Any) -> Any:
   """``fn(*stacks)``, ``fn`` batched over the leading axis; on the CPU, member by member.
 
   XLA's CPU backend runs a batched matrix product as one kernel over the whole
@@ -358,21 +357,16 @@ def _by_member(fn, offsets: Sequence[Array], stacks: Sequence[Any], *shared: Any
   batched, on 2 cores (the decompositions, done member by member too, gained
   nothing and cost a second of compile time). Members are read at the runtime
   ``offsets`` (`KFACState.stack_offsets`), so their kernels compile once per
-  stack. ``shared`` are further arguments of ``fn``, the same for every member.
-  Elsewhere (a GPU) one batched call.
+  stack. Elsewhere (a GPU) one batched call.
   """
   k = jax.tree.leaves(stacks)[0].shape[0]
   if k == 1 or jax.default_backend() != "cpu":
-    return fn(*stacks, *shared)
+    return fn(*stacks)
   parts = [
-    fn(*jax.tree.map(lambda x, o=o: jax.lax.dynamic_slice_in_dim(x, o, 1), stacks), *shared)
+    fn(*jax.tree.map(lambda x, o=o: jax.lax.dynamic_slice_in_dim(x, o, 1), stacks))
     for o in offsets[:k]
   ]
   return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
-
-
-def _precondition(v, a, g, damping, *, method):
-  return preconditioning.precondition(v, a, g, method, damping)
 
 
 def _per_stack(plan: Plan, members: Sequence[int], fn, inputs: Sequence[Any]) -> Any:
@@ -599,10 +593,11 @@ def precondition_grads(
           v = _select(matrices, members)
           out.append(
             _by_member(
-              functools.partial(_precondition, method=method),
+              lambda v, a, g, method=method: preconditioning.precondition(v, a, g, method, damping),
               offsets,
-              (v, dec.a, dec.g),
-              damping,
+              v,
+              dec.a,
+              dec.g,
             )
           )
       flat = distribution.flatten_into(out, layout.gradient_size, dtype)
