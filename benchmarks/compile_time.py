@@ -13,12 +13,19 @@ cadence (10, 100):
 * how many preconditioned layers the plan has and in how many stacks of equal
   shapes its decompositions run.
 
-Run: ``python benchmarks/compile_time.py [--quick]``.
+Cold single measurements in one process move by 10 to 20 % between runs, so
+``--fresh N`` then also compiles the 128-layer stack's two steps in ``N`` fresh
+processes (SGD then K-FAC in each, nothing compiled before) and prints each
+pair and the median ratio.
+
+Run: ``python benchmarks/compile_time.py [--quick] [--fresh N]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import subprocess
 import sys
 import time
 import warnings
@@ -148,10 +155,44 @@ def bench(label: str, depth: int, problem, blocks: int) -> dict[str, float]:
   return {"sgd": sl + sc, "kfac": kl + kc}
 
 
+def cold_pair(depth: int) -> tuple[float, float]:
+  """Seconds to trace, lower and compile SGD's then K-FAC's step, nothing compiled before."""
+  model, x, y = dense_problem(depth)
+  fns, _ = steps(model, x, y)
+  seconds = []
+  for fn, state in fns.values():
+    lower, comp, _ = compile_seconds(fn, (*state, x, y))
+    seconds.append(lower + comp)
+  return seconds[0], seconds[1]
+
+
+def fresh_processes(depth: int, n: int) -> None:
+  ratios = []
+  for i in range(n):
+    out = subprocess.run(
+      [sys.executable, __file__, "--cold", str(depth)], capture_output=True, text=True, check=True
+    )
+    sgd, kfac = map(float, out.stdout.split())
+    ratios.append(kfac / sgd)
+    print(
+      f"fresh process {i + 1}: {depth} dense layers, SGD {sgd:.2f} s, K-FAC {kfac:.2f} s,"
+      f" {kfac / sgd:.2f}x",
+      flush=True,
+    )
+  print(f"median over {n} fresh processes: {statistics.median(ratios):.2f}x")
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="fewer depths and timing blocks")
+  parser.add_argument(
+    "--fresh", type=int, default=0, metavar="N", help="also the deepest stack in N fresh processes"
+  )
+  parser.add_argument("--cold", type=int, help=argparse.SUPPRESS)  # one fresh process's pair
   args = parser.parse_args()
+  if args.cold:
+    print(*cold_pair(args.cold))
+    return
   blocks = 2 if args.quick else 3
   dense = (8, 32) if args.quick else (8, 32, 64, 128)
   blocks_tf = (4,) if args.quick else (4, 8, 16)
@@ -170,6 +211,8 @@ def main() -> None:
   for name in ("sgd", "kfac"):
     growth = totals[last][name] / totals[first][name]
     print(f"{name} compile growth from {first} to {last} dense layers: {growth:.1f}x")
+  if args.fresh:
+    fresh_processes(last, args.fresh)
 
 
 if __name__ == "__main__":

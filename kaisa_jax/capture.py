@@ -10,6 +10,8 @@ pass; nothing is evaluated twice.
 The perturbations need the shapes of the layer outputs, so the loss is first
 traced abstractly (`jax.eval_shape`, no computation). The same abstract trace
 gives the registry of layers (`Layers`) that `kaisa_jax.kfac` is built from.
+It is kept for the next call with the same argument types; the real evaluation
+checks every layer call against it and traces again when one differs.
 
 Layers inside ``lax.scan``, ``jax.vmap`` and ``jax.checkpoint`` (and so inside
 ``nn.scan``, ``nn.vmap`` and ``nn.remat``) run in a trace of their own, whose
@@ -109,6 +111,8 @@ class _Call:
 
   ``depth`` counts the mapping transformations (``lax.scan``, ``vmap``) the
   call is inside: its recorded arrays carry one leading axis for each.
+  ``config`` is what the layer kind's ``describe`` read from the module (``None``
+  for a call that is not preconditioned).
   """
 
   name: str
@@ -119,6 +123,7 @@ class _Call:
   varying: tuple[str, ...]
   depth: int
   module_type: str
+  config: dict[str, Any] | None = None
 
 
 class _Slot(NamedTuple):
@@ -527,7 +532,7 @@ def _trace(
   def on_call(s: _Session, cid: int, name: str, module: Any, method: str, kind, call, *_):
     out = call()
     own = _direct_params(module)
-    spec, rows = None, 0
+    spec, rows, config = None, 0, None
     if selection.selects(name):
       try:
         if not isinstance(out, jax.Array):
@@ -538,6 +543,7 @@ def _trace(
         spec = layers_lib.make_spec(
           kind, module, name, prefix, tuple(own[kind.weight].shape), kind.bias in own
         )
+        config = kind.describe(module, spec.kernel_shape)
         spec = dataclasses.replace(
           spec,
           param_suffix=suffix,
@@ -561,6 +567,7 @@ def _trace(
       _varying_axes(out),
       s.depth(),
       type(module).__name__,
+      config,
     )
     if isinstance(out, jax.Array):
       s.frames[-1].record[cid] = out
@@ -656,10 +663,79 @@ def _list_uncaptured_nnx(
       skipped[name] = Skipped(name, "nnx.Module", reason)
 
 
+class _Mismatch(RuntimeError):
+  """A layer call of the real evaluation differs from the abstract trace's."""
+
+
+_TRACES_KEPT = 8
+
+
+def _signature(params: Any, args: tuple, kwargs: dict) -> Any:
+  """What the abstract trace depends on besides the loss: the arguments' types.
+
+  Arrays (and tracers) count by their abstract value (shape, dtype, weak type,
+  ``shard_map`` axes they vary over), other leaves by their value. ``None`` when
+  a leaf cannot be hashed: such a call is traced every time.
+  """
+  leaves, treedef = jax.tree_util.tree_flatten((params, args, kwargs))
+  key = (
+    treedef,
+    jax.config.jax_enable_x64,
+    *(jax.typeof(x) if isinstance(x, (jax.Array, np.ndarray, np.generic)) else x for x in leaves),
+  )
+  try:
+    hash(key)
+  except TypeError:
+    return None
+  return key
+
+
+def _check_call(expected: _Call | None, name: str, method: str, module: Any) -> _Call:
+  """``expected`` if a layer call is the one the abstract trace saw, else raises `_Mismatch`."""
+  if expected is None or (expected.name, expected.method, expected.module_type) != (
+    name,
+    method,
+    type(module).__name__,
+  ):
+    raise _Mismatch(
+      f"kaisa_jax: layer {name!r} was called differently than when the loss was "
+      "traced; the loss must call its layers the same way every time."
+    )
+  return expected
+
+
+def _check_output(expected: _Call, module: Any, kind, out: Any) -> None:
+  """Raises `_Mismatch` unless a call's output and configuration are the traced ones."""
+  got = (getattr(out, "shape", None), getattr(out, "dtype", None))
+  if got != (expected.out.shape, expected.out.dtype):
+    raise _Mismatch(
+      f"kaisa_jax: layer {expected.name!r} returned {got[0]} {got[1]}, but "
+      f"{expected.out.shape} {expected.out.dtype} when the loss was traced; the loss must "
+      "call its layers the same way every time."
+    )
+  if expected.config is not None:
+    try:
+      config = kind.describe(module, expected.spec.kernel_shape)
+    except layers_lib.UnsupportedLayerError:
+      config = None
+    if config != expected.config:
+      raise _Mismatch(
+        f"kaisa_jax: layer {expected.name!r} is configured as {config}, but as "
+        f"{expected.config} when the loss was traced; the loss must call its layers the "
+        "same way every time."
+      )
+
+
 class ValueAndGrad:
   """A loss function's value, gradient and curvature in one backward pass.
 
   Built by `value_and_grad`; calling it returns ``(value, grads, curvature)``.
+  The abstract trace of the loss is kept for the next call with arguments of
+  the same shapes and types (at most the last eight kinds of call), so a train
+  step traced again, or after `layers`, does not trace the loss twice. Every
+  layer call is checked against it (name, method, output shape and dtype, what
+  the layer kind reads from the module); a loss that has changed since is
+  traced again.
   """
 
   def __init__(
@@ -673,6 +749,20 @@ class ValueAndGrad:
     self._has_aux = has_aux
     self._selection = selection
     self._n_examples = n_examples
+    self._traces: dict[Any, tuple[Layers, _Traced]] = {}
+
+  def _trace(self, params: Any, args: tuple, kwargs: dict, *, kept: bool) -> tuple:
+    """The abstract trace: the one kept for these argument types if ``kept``, else a new one."""
+    key = _signature(params, args, kwargs)
+    if kept and key in self._traces:
+      return self._traces[key]
+    result = _trace(self._fun, params, args, kwargs, self._selection)
+    if key is not None:
+      self._traces.pop(key, None)
+      self._traces[key] = result
+      while len(self._traces) > _TRACES_KEPT:
+        del self._traces[next(iter(self._traces))]
+    return result
 
   def layers(self, params: Any, *args: Any, **kwargs: Any) -> Layers:
     """Traces the loss abstractly (no computation) and lists its layers.
@@ -681,10 +771,20 @@ class ValueAndGrad:
     `kaisa_jax.kfac` needs; ``print`` it to see every layer, its factor shapes,
     and every module with parameters that is not preconditioned.
     """
-    return _trace(self._fun, params, args, kwargs, self._selection)[0]
+    return self._trace(params, args, kwargs, kept=False)[0]
 
   def __call__(self, params: Any, *args: Any, **kwargs: Any):
-    registry, traced = _trace(self._fun, params, args, kwargs, self._selection)
+    kept = _signature(params, args, kwargs) in self._traces
+    try:
+      return self._evaluate(self._trace(params, args, kwargs, kept=True), params, args, kwargs)
+    except _Mismatch as e:
+      if not kept:
+        raise RuntimeError(str(e)) from None
+    return self._evaluate(self._trace(params, args, kwargs, kept=False), params, args, kwargs)
+
+  def _evaluate(self, trace: tuple[Layers, _Traced], params: Any, args: tuple, kwargs: dict):
+    """The loss, its gradient and the curvature, following the abstract ``trace``."""
+    registry, traced = trace
     # Zero perturbations of the layer outputs (with the axes of the scans and
     # vmaps around them). Under shard_map they must vary over the same axes as
     # the outputs: the gradient of an unvarying input would be summed over the
@@ -698,17 +798,13 @@ class ValueAndGrad:
       perturbations[number] = zero
 
     def on_call(s: _Session, number, name, module, method, kind, call, call_args, call_kwargs):
-      expected = traced.calls.get(number)
-      if expected is None or (expected.name, expected.method) != (name, method):
-        raise RuntimeError(
-          f"kaisa_jax: layer {name!r} was called differently than when the loss was "
-          "traced; the loss must call its layers the same way every time."
-        )
+      expected = _check_call(traced.calls.get(number), name, method, module)
       frame = s.frames[-1]
-      if number not in frame.feed:
-        return call()
-      frame.record[number] = _recorded_input(module, call_args, call_kwargs)
-      return call() + frame.feed[number]
+      if number in frame.feed:
+        frame.record[number] = _recorded_input(module, call_args, call_kwargs)
+      out = call()
+      _check_output(expected, module, kind, out)
+      return out + frame.feed[number] if number in frame.feed else out
 
     def loss_with_perturbations(params, perturbations):
       s = _Session(params, self._selection, on_call, perturbations, dict(traced.ends))
@@ -716,7 +812,7 @@ class ValueAndGrad:
         result = self._fun(params, *args, **kwargs)
       inputs = s.frames[0].record
       if s.calls != traced.count or inputs.keys() != perturbations.keys():
-        raise RuntimeError(
+        raise _Mismatch(
           f"kaisa_jax: the loss made {s.calls} layer calls, but {traced.count} when it was "
           "traced; the loss must call its layers the same way every time."
         )

@@ -347,8 +347,8 @@ def _vmap(fn, stacked: Any) -> Any:
   return jax.vmap(fn)(stacked)
 
 
-def _by_member(fn, offsets: Sequence[Array], *stacks: Any) -> Any:
-  """``fn(*stacks)``, ``fn`` batched over the leading axis; on the CPU, member by member.
+def _by_member(fn, offsets: Sequence[Array], stacks: tuple, *shared: Any) -> Any:
+  """``fn(*stacks, *shared)``, ``fn`` batched over the stacks' leading axis; on the CPU, member by member.
 
   XLA's CPU backend runs a batched matrix product as one kernel over the whole
   batch, where the members' own products are separate kernels that its threads
@@ -357,13 +357,20 @@ def _by_member(fn, offsets: Sequence[Array], *stacks: Any) -> Any:
   batched, on 2 cores (the decompositions, done member by member too, gained
   nothing and cost a second of compile time). Members are read at the runtime
   ``offsets`` (`KFACState.stack_offsets`), so their kernels compile once per
-  stack. Elsewhere (a GPU) one batched call.
+  stack; ``fn`` is traced once per stack and inlined for each member. Elsewhere
+  (a GPU) one batched call.
   """
   k = jax.tree.leaves(stacks)[0].shape[0]
   if k == 1 or jax.default_backend() != "cpu":
-    return fn(*stacks)
+    return fn(*stacks, *shared)
+  member_fn = jax.jit(fn, inline=True)
   parts = [
-    fn(*jax.tree.map(lambda x, o=o: jax.lax.dynamic_slice_in_dim(x, o, 1), stacks))
+    member_fn(
+      *jax.tree.map(
+        lambda x, o=o: jax.lax.dynamic_slice_in_dim(x, o, 1, allow_negative_indices=False), stacks
+      ),
+      *shared,
+    )
     for o in offsets[:k]
   ]
   return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
@@ -593,11 +600,10 @@ def precondition_grads(
           v = _select(matrices, members)
           out.append(
             _by_member(
-              lambda v, a, g, method=method: preconditioning.precondition(v, a, g, method, damping),
+              lambda v, a, g, d, method=method: preconditioning.precondition(v, a, g, method, d),
               offsets,
-              v,
-              dec.a,
-              dec.g,
+              (v, dec.a, dec.g),
+              damping,
             )
           )
       flat = distribution.flatten_into(out, layout.gradient_size, dtype)
@@ -965,7 +971,9 @@ def kfac(
         spec = plan.layers[i][0]
         for key, value in stacked.items():
           path = (*spec.param_path, jax.tree_util.DictKey(key), *spec.param_suffix)
-          value = jax.lax.dynamic_index_in_dim(value, state.stack_offsets[j], keepdims=False)
+          value = jax.lax.dynamic_index_in_dim(
+            value, state.stack_offsets[j], keepdims=False, allow_negative_indices=False
+          )
           value = value.astype(grads[spec.name][key].dtype)
           replacements.setdefault(path, []).append((spec.param_index, value))
     new_updates = jax.tree_util.tree_map_with_path(

@@ -179,3 +179,66 @@ def test_n_examples_override_scales_g_factor():
     states.append(tx.update(grads, tx.init(params), params, curvature=curvature)[1])
   g_default, g_tokens = (kaisa_jax.layer_factors(tx.plan, s)["Dense"].g for s in states)
   np.testing.assert_allclose(g_tokens, 3.0 * g_default, rtol=1e-5)
+
+
+class Pooled(nn.Module):
+  strides: int = 1
+  kernel_dilation: int = 1
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Conv(4, (3,), strides=self.strides, kernel_dilation=self.kernel_dilation)(x)
+    return nn.Dense(5)(nn.relu(x).mean(axis=1))
+
+
+def test_abstract_trace_is_kept_and_checked_against_each_call(monkeypatch):
+  """Calls with the same argument types reuse the trace; a loss that changed is traced again."""
+  traces = []
+  original = kaisa_jax.capture._trace
+
+  def counted(*args):
+    traces.append(1)
+    return original(*args)
+
+  monkeypatch.setattr(kaisa_jax.capture, "_trace", counted)
+  current = {"model": Pooled()}
+
+  def loss(params, x, y):
+    logits = current["model"].apply(params, x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+  params = Pooled().init(jax.random.key(1), X)
+  grad_fn = kaisa_jax.value_and_grad(loss)
+  grad_fn.layers(params, X, Y)
+  first = grad_fn(params, X, Y)
+  jax.jit(grad_fn)(params, X, Y)
+  assert len(traces) == 1  # layers() traced; the eager and the jitted call reused it
+  grad_fn(params, X[:4], Y[:4])
+  assert len(traces) == 2  # another batch size is another trace
+
+  # The same parameters and output shape, another dilation; then another output
+  # shape. Each is traced again and matches a new value_and_grad.
+  for model in (Pooled(kernel_dilation=2), Pooled(strides=2)):
+    current["model"] = model
+    before = len(traces)
+    got = grad_fn(params, X, Y)
+    assert len(traces) == before + 1
+    want = kaisa_jax.value_and_grad(loss)(params, X, Y)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+      np.testing.assert_array_equal(a, b)
+    g, g0 = got[2]["Conv_0"].g[0], first[2]["Conv_0"].g[0]
+    assert g.shape != g0.shape or not np.allclose(g, g0)  # the model did change
+
+
+def test_loss_calling_its_layers_differently_each_time_raises():
+  calls = []
+
+  def loss(params, x, y):
+    calls.append(1)
+    h = NET.apply({"params": params, "batch_stats": VARIABLES["batch_stats"]}, x, train=False)
+    if len(calls) % 2 == 0:  # every other evaluation calls the head a second time
+      h = h + NET.apply({"params": params, "batch_stats": VARIABLES["batch_stats"]}, x, train=False)
+    return optax.softmax_cross_entropy_with_integer_labels(h, y).mean()
+
+  with pytest.raises(RuntimeError, match="called differently"):
+    kaisa_jax.value_and_grad(loss)(VARIABLES["params"], X, Y)
