@@ -751,11 +751,8 @@ class ValueAndGrad:
     self._n_examples = n_examples
     self._traces: dict[Any, tuple[Layers, _Traced]] = {}
 
-  def _trace(self, params: Any, args: tuple, kwargs: dict, *, kept: bool) -> tuple:
-    """The abstract trace: the one kept for these argument types if ``kept``, else a new one."""
-    key = _signature(params, args, kwargs)
-    if kept and key in self._traces:
-      return self._traces[key]
+  def _trace(self, key: Any, params: Any, args: tuple, kwargs: dict) -> tuple:
+    """A new abstract trace, kept under ``key`` (`_signature`) unless it is ``None``."""
     result = _trace(self._fun, params, args, kwargs, self._selection)
     if key is not None:
       self._traces.pop(key, None)
@@ -771,16 +768,18 @@ class ValueAndGrad:
     `kaisa_jax.kfac` needs; ``print`` it to see every layer, its factor shapes,
     and every module with parameters that is not preconditioned.
     """
-    return self._trace(params, args, kwargs, kept=False)[0]
+    return self._trace(_signature(params, args, kwargs), params, args, kwargs)[0]
 
   def __call__(self, params: Any, *args: Any, **kwargs: Any):
-    kept = _signature(params, args, kwargs) in self._traces
+    key = _signature(params, args, kwargs)
+    kept = self._traces.get(key)
+    trace = kept or self._trace(key, params, args, kwargs)
     try:
-      return self._evaluate(self._trace(params, args, kwargs, kept=True), params, args, kwargs)
+      return self._evaluate(trace, params, args, kwargs)
     except _Mismatch as e:
-      if not kept:
+      if kept is None:
         raise RuntimeError(str(e)) from None
-    return self._evaluate(self._trace(params, args, kwargs, kept=False), params, args, kwargs)
+    return self._evaluate(self._trace(key, params, args, kwargs), params, args, kwargs)
 
   def _evaluate(self, trace: tuple[Layers, _Traced], params: Any, args: tuple, kwargs: dict):
     """The loss, its gradient and the curvature, following the abstract ``trace``."""
