@@ -971,9 +971,12 @@ def kfac(
         spec = plan.layers[i][0]
         for key, value in stacked.items():
           path = (*spec.param_path, jax.tree_util.DictKey(key), *spec.param_suffix)
-          value = jax.lax.dynamic_index_in_dim(
-            value, state.stack_offsets[j], keepdims=False, allow_negative_indices=False
-          )
+          if len(members) == 1:  # offset 0 whatever the state holds (reads are clamped)
+            value = value[0]
+          else:
+            value = jax.lax.dynamic_index_in_dim(
+              value, state.stack_offsets[j], keepdims=False, allow_negative_indices=False
+            )
           value = value.astype(grads[spec.name][key].dtype)
           replacements.setdefault(path, []).append((spec.param_index, value))
     new_updates = jax.tree_util.tree_map_with_path(
