@@ -218,6 +218,10 @@ def test_members_read_their_results_at_the_offsets_in_the_state():
         updates["params"][f"Dense_{(i + shift) % 16}"][key],
         err_msg=f"Dense_{i} {key}",
       )
+  # The members' updates differ, so the shift above is seen.
+  assert not np.array_equal(
+    updates["params"]["Dense_0"]["kernel"], moved["params"]["Dense_0"]["kernel"]
+  )
 
 
 def test_a_state_with_other_stacks_raises():
