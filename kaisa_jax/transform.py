@@ -347,6 +347,17 @@ def _vmap(fn, stacked: Any) -> Any:
   return jax.vmap(fn)(stacked)
 
 
+def _member(stack: Array, offsets: Sequence[Array], j: int, keepdims: bool = False) -> Array:
+  """Member ``j`` of ``stack``, read at its runtime offset ``offsets[j]``.
+
+  A stack of one is read at its only place: a read is clamped into the stack,
+  so that is the value whatever the offset, without a runtime read.
+  """
+  if stack.shape[0] > 1:
+    stack = jax.lax.dynamic_slice_in_dim(stack, offsets[j], 1, allow_negative_indices=False)
+  return stack if keepdims else stack[0]
+
+
 def _by_member(fn, offsets: Sequence[Array], stacks: tuple, *shared: Any) -> Any:
   """``fn(*stacks, *shared)``, ``fn`` batched over the stacks' leading axis; on the CPU, member by member.
 
@@ -357,21 +368,16 @@ def _by_member(fn, offsets: Sequence[Array], stacks: tuple, *shared: Any) -> Any
   batched, on 2 cores (the decompositions, done member by member too, gained
   nothing and cost a second of compile time). Members are read at the runtime
   ``offsets`` (`KFACState.stack_offsets`), so their kernels compile once per
-  stack; ``fn`` is traced once per stack and inlined for each member. Elsewhere
-  (a GPU) one batched call.
+  stack (`_member`); ``fn`` is traced once per stack and inlined for each
+  member. Elsewhere (a GPU) one batched call.
   """
   k = jax.tree.leaves(stacks)[0].shape[0]
   if k == 1 or jax.default_backend() != "cpu":
     return fn(*stacks, *shared)
   member_fn = jax.jit(fn, inline=True)
   parts = [
-    member_fn(
-      *jax.tree.map(
-        lambda x, o=o: jax.lax.dynamic_slice_in_dim(x, o, 1, allow_negative_indices=False), stacks
-      ),
-      *shared,
-    )
-    for o in offsets[:k]
+    member_fn(*jax.tree.map(lambda x, j=j: _member(x, offsets, j, keepdims=True), stacks), *shared)
+    for j in range(k)
   ]
   return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
 
@@ -971,13 +977,7 @@ def kfac(
         spec = plan.layers[i][0]
         for key, value in stacked.items():
           path = (*spec.param_path, jax.tree_util.DictKey(key), *spec.param_suffix)
-          if len(members) == 1:  # offset 0 whatever the state holds (reads are clamped)
-            value = value[0]
-          else:
-            value = jax.lax.dynamic_index_in_dim(
-              value, state.stack_offsets[j], keepdims=False, allow_negative_indices=False
-            )
-          value = value.astype(grads[spec.name][key].dtype)
+          value = _member(value, state.stack_offsets, j).astype(grads[spec.name][key].dtype)
           replacements.setdefault(path, []).append((spec.param_index, value))
     new_updates = jax.tree_util.tree_map_with_path(
       lambda path, leaf: _replace(leaf, replacements.get(path, ())), updates
