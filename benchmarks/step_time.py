@@ -95,13 +95,16 @@ def interleaved_seconds(steps: dict[str, tuple[Callable, tuple]], batch, block: 
   """Per step function, the median over ``blocks`` of its mean step time in a block.
 
   The functions take turns block by block, so a slow spell of the machine
-  touches all of them alike and their ratios stay meaningful.
+  touches all of them alike and their ratios stay meaningful; the order of the
+  turns rotates from block to block, since a function's place in the turn
+  shifts its time.
   """
   states = {name: jax.block_until_ready(fn(*state, *batch)) for name, (fn, state) in steps.items()}
   means: dict[str, list[float]] = {name: [] for name in steps}
-  for _ in range(blocks):
-    for name, (fn, _) in steps.items():
-      state = states[name]
+  names = list(steps)
+  for b in range(blocks):
+    for name in names[b % len(names) :] + names[: b % len(names)]:
+      fn, state = steps[name][0], states[name]
       start = time.perf_counter()
       for _ in range(block):
         state = fn(*state, *batch)

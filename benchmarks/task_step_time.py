@@ -31,6 +31,7 @@ Run: ``python benchmarks/task_step_time.py [--tasks mnist1d resnet autoencoder]`
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
@@ -56,7 +57,9 @@ def step_times(
   """Each variant's mean step time in each of ``blocks`` blocks of `BLOCK` steps.
 
   Within a block the variants take turns every `CHUNK` steps, so that they share
-  the machine's slow spells even when its speed drifts within seconds.
+  the machine's slow spells even when its speed drifts within seconds. The order
+  of the turns rotates from chunk to chunk: a variant's place in the turn shifts
+  its time (by 3-7 % measured on the ResNet task), so no variant keeps one place.
   """
   x, y = (jnp.asarray(a) for a in task.train)
   params, state = task.init(jax.random.key(0), x[:1])
@@ -67,12 +70,15 @@ def step_times(
     tx, step = make_step(task, opt, blocks * BLOCK + 1, params, state)
     carry = jax.block_until_ready(step(params, state, tx.init(params), *data[0])[:3])
     runs[name] = [step, carry]
+  names = list(runs)
   means: dict[str, list[float]] = {name: [] for name in variants}
+  turns = itertools.count()
   for _ in range(blocks):
     spent = dict.fromkeys(variants, 0.0)
     for first in range(0, BLOCK, CHUNK):
-      for name, run in runs.items():
-        step, carry = run
+      k = next(turns) % len(names)
+      for name in names[k:] + names[:k]:
+        step, carry = run = runs[name]
         start = time.perf_counter()
         for xb, yb in data[first : first + CHUNK]:
           *carry, _ = step(*carry, xb, yb)
