@@ -1,11 +1,12 @@
 """Validation of the projected step time (`kaisa_jax.projection`) against this machine.
 
-This machine is described by `kaisa_jax.projection.measure_host` (a float32
-matmul and a streaming op timed at start); each model's SGD and K-FAC steps
-(factors every 10 steps, decompositions every 100, batch 128) are compiled for
-one device, projected from XLA's cost analysis, and timed: SGD and K-FAC take
-turns in blocks of 100 steps (whole cadence cycles) and the median block mean
-is reported. The projection must land within 30 % of the measured time.
+This machine is described by `kaisa_jax.projection.measure_host`; each
+model's SGD and K-FAC steps (factors every 10 steps, decompositions every 100,
+batch 128) are compiled for one device, projected from XLA's cost analysis, and
+timed: SGD, K-FAC and the host's probes (`kaisa_jax.projection.host_probes`: a
+dense workload, a stream, chains of tiny kernels) take turns in blocks of 100
+calls (whole cadence cycles), the median block mean is reported, and the
+projection uses the rates the probes gave in those same turns. The projection must land within 30 % of the measured time.
 
 Run: ``python benchmarks/projection.py [--blocks 5] [--models mnist1d resnet mlp]``.
 """
@@ -77,6 +78,11 @@ def carried(step):
   return lambda *args: step(*args)[:3]
 
 
+def probed(probe: projection.Probe):
+  """A host probe as `interleaved_seconds` calls a step: its carry is its last result."""
+  return lambda *_: (probe.fn(*probe.args),)
+
+
 def kfac_work(task: tasks.Task, carry, batch) -> projection.KFACWork:
   """K-FAC's phases for the task, compiled alone (same layers and settings as the step)."""
   params, state, opt_state = carry
@@ -95,6 +101,7 @@ def main() -> None:
   parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
   args = parser.parse_args()
   host = projection.measure_host()
+  probes = projection.host_probes()
   print(
     f"jax {jax.__version__}; {host.name}: {host.flops_per_s / 1e9:.1f} GFLOP/s, "
     f"{host.memory_bandwidth / 1e9:.1f} GB/s, {1e6 * host.kernel_overhead:.2f} us per kernel "
@@ -117,16 +124,28 @@ def main() -> None:
     sgd_step, sgd_carry, sgd_compiled, batch = built(task, SGD)
     kfac_step, kfac_carry, kfac_compiled, _ = built(task, KFAC)
     work = kfac_work(task, kfac_carry, batch)
-    projected = {
-      "SGD": projection.project_step(projection.program_cost(sgd_compiled), host),
-      "K-FAC": projection.project_step(projection.program_cost(kfac_compiled), host, kfac=work),
-    }
+    # The host's rates are timed in the same turns as the steps: the machine's
+    # speed drifts by tens of percent over a minute, which a rate measured once
+    # at start would carry into every ratio.
     measured = interleaved_seconds(
-      {"SGD": (carried(sgd_step), sgd_carry), "K-FAC": (carried(kfac_step), kfac_carry)},
+      {
+        "SGD": (carried(sgd_step), sgd_carry),
+        "K-FAC": (carried(kfac_step), kfac_carry),
+        **{k: (probed(p), (p.fn(*p.args),)) for k, p in probes.items()},
+      },
       batch,
       100,
       args.blocks,
     )
+    host = dataclasses.replace(host, **projection.host_rates(probes, measured))
+    print(
+      f"{name}: the host in the same turns: {host.flops_per_s / 1e9:.1f} GFLOP/s, "
+      f"{host.memory_bandwidth / 1e9:.1f} GB/s, {1e6 * host.kernel_overhead:.2f} us per kernel"
+    )
+    projected = {
+      "SGD": projection.project_step(projection.program_cost(sgd_compiled), host),
+      "K-FAC": projection.project_step(projection.program_cost(kfac_compiled), host, kfac=work),
+    }
     for opt, compiled in (("SGD", sgd_compiled), ("K-FAC", kfac_compiled)):
       c = projection.program_cost(compiled)
       ratio = projected[opt].total / measured[opt]

@@ -138,48 +138,86 @@ def _median_seconds(fn, *args, repeats: int) -> float:
   return statistics.median(times)
 
 
-def _kernel_overhead() -> float:
-  """Seconds per kernel: a chain of 8x8 products and tanh, 110 links less 10, per kernel."""
+class Probe(NamedTuple):
+  """A small program that measures one of this machine's rates: ``fn(*args)``, of cost ``cost``."""
 
-  def chain(links):
-    def f(x):
-      for _ in range(links):
-        x = jnp.tanh(x @ x)
-      return x
+  fn: Any
+  args: tuple
+  cost: ProgramCost
 
-    return jax.jit(f)
 
-  x = jnp.full((8, 8), 0.1, jnp.float32)
-  short, long = chain(10), chain(110)
-  kernels = kernel_count(long.lower(x).compile().as_text()) - kernel_count(
-    short.lower(x).compile().as_text()
-  )
-  extra = _median_seconds(long, x, repeats=30) - _median_seconds(short, x, repeats=30)
-  return max(extra, 1e-9) / max(kernels, 1.0)
+def _probe(fn: Any, *args: Any) -> Probe:
+  fn = jax.jit(fn)
+  return Probe(fn, args, program_cost(fn.lower(*args).compile()))
+
+
+def _chain(links: int) -> Any:
+  def f(x):
+    for _ in range(links):
+      x = jnp.tanh(x @ x)
+    return x
+
+  return f
+
+
+def host_probes(batch: int = 128, width: int = 256) -> dict[str, Probe]:
+  """The programs `measure_host` times, by name; `host_rates` turns their seconds into rates.
+
+  * ``"dense"``: a training-shaped float32 workload, the forward and backward
+    pass of two ``width x width`` dense layers on ``batch`` rows (three
+    products per layer, the shapes a small model's step runs).
+  * ``"stream"``: ``x + 1`` on 4 MB (cache-sized, as a step's buffers are).
+  * ``"short chain"``, ``"long chain"``: 10 and 110 links of an ``8 x 8``
+    product and a tanh; the difference of their times per kernel is the cost
+    of a kernel.
+  """
+  x = jnp.ones((batch, width), jnp.float32)
+  w = jnp.full((width, width), 0.01, jnp.float32)
+  small = jnp.full((8, 8), 0.1, jnp.float32)
+  return {
+    "dense": _probe(
+      jax.grad(lambda w, x: jnp.sum(jnp.tanh(jnp.tanh(x @ w) @ w)), argnums=(0, 1)), w, x
+    ),
+    "stream": _probe(lambda v: v + 1.0, jnp.ones((2**20,), jnp.float32)),
+    "short chain": _probe(_chain(10), small),
+    "long chain": _probe(_chain(110), small),
+  }
+
+
+def host_rates(probes: dict[str, Probe], seconds: dict[str, float]) -> dict[str, float]:
+  """`Cluster` rates from the seconds per call of `host_probes`' programs.
+
+  ``flops_per_s`` (the dense workload's flops over its time),
+  ``memory_bandwidth`` (the stream's bytes over its time; both collective
+  bandwidths too: devices of a host share its memory) and ``kernel_overhead``
+  (the chains' difference in time over their difference in kernels), as
+  keyword arguments of `Cluster` or ``dataclasses.replace``.
+  """
+  bandwidth = probes["stream"].cost.bytes / seconds["stream"]
+  kernels = probes["long chain"].cost.kernels - probes["short chain"].cost.kernels
+  extra = seconds["long chain"] - seconds["short chain"]
+  return {
+    "flops_per_s": probes["dense"].cost.flops / seconds["dense"],
+    "memory_bandwidth": bandwidth,
+    "intra_node_bandwidth": bandwidth,
+    "inter_node_bandwidth": bandwidth,
+    "kernel_overhead": max(extra, 1e-9) / max(kernels, 1.0),
+  }
 
 
 def measure_host(name: str = "this host", batch: int = 128, width: int = 256) -> Cluster:
   """This machine's first device, measured by small programs timed at call.
 
-  ``flops_per_s``: the rate of a training-shaped float32 workload, the forward
-  and backward pass of two ``width x width`` dense layers on ``batch`` rows
-  (three matmuls per layer, the shapes a small model's step runs), its flops
-  from XLA's cost analysis; ``memory_bandwidth``: bytes read and written per
-  second by ``x + 1`` on 4 MB (cache-sized, as a step's buffers are); the
-  latency: that of a jitted call on a scalar; ``kernel_overhead``: the time
-  per kernel of a chain of tiny products. Devices of a host share its
-  memory, so both collective bandwidths are the memory bandwidth and the host
-  is one node.
+  The rates come from `host_probes` (median of 30 calls each) through
+  `host_rates`; the latency is that of a jitted call on a scalar. Timed apart
+  from the work they are compared with, the rates follow the machine's speed at
+  the moment they are taken (it drifts by tens of percent within minutes on a
+  shared machine): time the probes in turns with that work where the
+  comparison matters, as ``benchmarks/projection.py`` does.
   """
-  x = jnp.ones((batch, width), jnp.float32)
-  w = jnp.full((width, width), 0.01, jnp.float32)
-  dense = jax.jit(jax.grad(lambda w, x: jnp.sum(jnp.tanh(jnp.tanh(x @ w) @ w)), argnums=(0, 1)))
-  flops = program_cost(dense.lower(w, x).compile()).flops / _median_seconds(dense, w, x, repeats=30)
-  stream = jax.jit(lambda v: v + 1.0)
-  v = jnp.ones((2**20,), jnp.float32)
-  bandwidth = 2.0 * v.nbytes / _median_seconds(stream, v, repeats=30)
+  probes = host_probes(batch, width)
+  seconds = {k: _median_seconds(p.fn, *p.args, repeats=30) for k, p in probes.items()}
   latency = _median_seconds(jax.jit(lambda s: s + 1.0), jnp.float32(0), repeats=50)
-  kernel_overhead = _kernel_overhead()
   stats = jax.devices()[0].memory_stats() or {}  # an accelerator's; None on a CPU
   try:
     memory = float(
@@ -189,16 +227,12 @@ def measure_host(name: str = "this host", batch: int = 128, width: int = 256) ->
     memory = 1e9
   return Cluster(
     name=f"{name} ({jax.devices()[0].device_kind})",
-    flops_per_s=flops,
-    memory_bandwidth=bandwidth,
-    intra_node_bandwidth=bandwidth,
-    inter_node_bandwidth=bandwidth,
     devices_per_node=jax.local_device_count(),
     latency=latency,
     memory=memory,
-    kernel_overhead=kernel_overhead,
     source=f"measured: 2 dense layers {width} wide, forward and backward on {batch} rows; "
     "x + 1 on 4 MB; a scalar call; chains of tiny kernels",
+    **host_rates(probes, seconds),
   )
 
 
@@ -245,11 +279,17 @@ class ProgramCost(NamedTuple):
     )
 
 
-_LAPACK = re.compile(r'custom_call_target="([^"]*(?:syevd|potrf|heevd)[^"]*)"')
+_LAPACK = re.compile(r'custom_call_target="([^"]*(?:syevd|potrf|heevd|trsm)[^"]*)"')
 
 
 def lapack_flops(hlo: str) -> float:
-  """Flops of the LAPACK custom calls in an HLO text: ``9 n^3`` per eigh, ``n^3 / 3`` per Cholesky."""
+  """Flops of the LAPACK custom calls in an HLO text, which XLA's cost analysis does not count.
+
+  ``9 n^3`` per eigh and ``n^3 / 3`` per Cholesky of an ``n x n`` matrix;
+  ``r c max(r, c)`` per triangular solve with an ``r x c`` result (``n^2 m``
+  for ``m`` right-hand sides of an ``n x n`` triangle: exact when square, more
+  otherwise).
+  """
   total = 0.0
   for line in hlo.splitlines():
     target = _LAPACK.search(line)
@@ -259,8 +299,11 @@ def lapack_flops(hlo: str) -> float:
     if operand is None:
       operand = re.search(r"= \(?\w+\[([\d,]+)\]", line)
     dims = [int(d) for d in operand.group(1).split(",")]
-    n, batch = dims[-1], int(np.prod(dims[:-2]))
-    total += batch * (1.0 / 3.0 if "potrf" in target.group(1) else 9.0) * n**3
+    r, n, batch = dims[-2], dims[-1], int(np.prod(dims[:-2]))
+    if "trsm" in target.group(1):
+      total += batch * r * n * max(r, n)
+    else:
+      total += batch * (1.0 / 3.0 if "potrf" in target.group(1) else 9.0) * n**3
   return total
 
 

@@ -215,6 +215,34 @@ def test_program_cost_counts_lapack_and_the_kernels_of_the_larger_branch():
   assert cost.flops >= 2 * 8**3
 
 
+def test_program_cost_counts_the_triangular_solves_of_a_cholesky_inverse():
+  def f(x):
+    factor = jnp.linalg.cholesky(x @ x.T + 8.0 * jnp.eye(8))
+    return jax.scipy.linalg.solve_triangular(factor, jnp.eye(8), lower=True)
+
+  cost = projection.cost_of(f, jnp.ones((8, 8)))
+  # One 8x8 Cholesky (n^3 / 3) and one solve for 8 right-hand sides (n^2 m).
+  assert cost.lapack_flops == pytest.approx(8**3 / 3 + 8**3)
+
+
+def test_host_rates_are_the_probes_costs_over_their_seconds():
+  probes = projection.host_probes(batch=8, width=16)
+  dense, stream = probes["dense"].cost, probes["stream"].cost
+  short, long = probes["short chain"].cost, probes["long chain"].cost
+  products = 3 * 2 * (2 * 8 * 16 * 16)  # 3 products per layer, 2 layers
+  assert products <= dense.flops <= 1.05 * products  # and the elementwise flops
+  assert stream.bytes == 2 * 4 * 2**20  # 1 Mi float32s read and written
+  assert long.kernels - short.kernels == 2 * 100  # a product and a tanh per link
+  seconds = {"dense": 2e-3, "stream": 1e-4, "short chain": 3e-5, "long chain": 2.3e-4}
+  rates = projection.host_rates(probes, seconds)
+  assert rates["flops_per_s"] == pytest.approx(dense.flops / 2e-3)
+  assert rates["memory_bandwidth"] == pytest.approx(stream.bytes / 1e-4)
+  assert rates["inter_node_bandwidth"] == rates["intra_node_bandwidth"] == rates["memory_bandwidth"]
+  assert rates["kernel_overhead"] == pytest.approx(2e-4 / 200)
+  host = dataclasses.replace(CLUSTER, **rates)  # a valid Cluster
+  assert host.flops_per_s == rates["flops_per_s"]
+
+
 def test_communication_shrinks_with_bandwidth_and_crosses_nodes_beyond_one_node():
   step = projection.ProgramCost(1e9, 0.0, 0.0)
   kw = dict(gradient_bytes=4e8)
