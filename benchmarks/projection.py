@@ -140,7 +140,12 @@ def main() -> None:
     host = dataclasses.replace(host, **projection.host_rates(probes, measured))
     print(
       f"{name}: the host in the same turns: {host.flops_per_s / 1e9:.1f} GFLOP/s, "
-      f"{host.memory_bandwidth / 1e9:.1f} GB/s, {1e6 * host.kernel_overhead:.2f} us per kernel"
+      f"{host.memory_bandwidth / 1e9:.1f} GB/s, {1e6 * host.kernel_overhead:.2f} us per kernel; "
+      "dense probes at W = "
+      + ", ".join(
+        f"{w}: {r / 1e9:.0f}" for w, r in zip(projection.MATMUL_WIDTHS, host.matmul_rates)
+      )
+      + " GFLOP/s"
     )
     projected = {
       "SGD": projection.project_step(projection.program_cost(sgd_compiled), host),

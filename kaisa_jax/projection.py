@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import fractions
+import math
 import os
 import re
 import statistics
@@ -47,6 +48,11 @@ import numpy as np
 from kaisa_jax import accounting, assignment, cost, distribution, transform
 
 GB = 1e9
+# The widths of the host's dense probes: two W x W layers on 128 rows, whose
+# products of 2 * 128 * W^2 flops are the sizes by which a program's products
+# are binned.
+MATMUL_WIDTHS = (16, 32, 64, 128, 256, 512, 1024)
+MATMUL_SIZES = tuple(2.0 * 128 * w * w for w in MATMUL_WIDTHS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +73,10 @@ class Cluster:
     kernel_overhead: seconds each kernel (each operation a compiled program
       launches) costs on top of its flops and bytes.
     source: where the figures come from.
+    matmul_rates: FLOP/s of the matrix products and convolutions of each
+      of `MATMUL_SIZES` flops (`measure_host` times dense layers of each
+      width: small products run far below a large one's rate); ``None``:
+      every flop at ``flops_per_s``.
   """
 
   name: str
@@ -79,12 +89,21 @@ class Cluster:
   memory: float
   kernel_overhead: float
   source: str = ""
+  matmul_rates: tuple[float, ...] | None = None
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
       value = getattr(self, field.name)
       if field.type == "float" and not (np.isfinite(value) and value > 0):
         raise ValueError(f"Cluster {field.name} must be a positive number, got {value!r}")
+    rates = self.matmul_rates
+    if rates is not None and (
+      len(rates) != len(MATMUL_SIZES) or not all(np.isfinite(r) and r > 0 for r in rates)
+    ):
+      raise ValueError(
+        f"Cluster matmul_rates must be None or {len(MATMUL_SIZES)} positive FLOP/s, one per "
+        f"kaisa_jax.projection.MATMUL_SIZES, got {rates!r}"
+      )
     if not isinstance(self.devices_per_node, int) or self.devices_per_node < 1:
       raise ValueError(f"Cluster devices_per_node must be an int >= 1, got {self.devices_per_node}")
 
@@ -160,37 +179,43 @@ def _chain(links: int) -> Any:
   return f
 
 
+def _dense(batch: int, width: int) -> Probe:
+  """Two ``width x width`` dense layers' forward and backward pass on ``batch`` rows."""
+  x = jnp.ones((batch, width), jnp.float32)
+  w = jnp.full((width, width), 1.0 / width, jnp.float32)
+  return _probe(jax.grad(lambda w, x: jnp.sum(jnp.tanh(jnp.tanh(x @ w) @ w)), argnums=(0, 1)), w, x)
+
+
 def host_probes(batch: int = 128, width: int = 256) -> dict[str, Probe]:
   """The programs `measure_host` times, by name; `host_rates` turns their seconds into rates.
 
-  * ``"dense"``: a training-shaped float32 workload, the forward and backward
-    pass of two ``width x width`` dense layers on ``batch`` rows (three
-    products per layer, the shapes a small model's step runs).
+  * ``"dense W"`` for each ``W`` of `MATMUL_WIDTHS`: a training-shaped float32
+    workload, the forward and backward pass of two ``W x W`` dense layers on
+    128 rows (three products of ``2 * 128 * W^2`` flops per layer, and their
+    elementwise work); ``"dense"``: the same at ``width`` on ``batch`` rows.
   * ``"stream"``: ``x + 1`` on 4 MB (cache-sized, as a step's buffers are).
   * ``"short chain"``, ``"long chain"``: 10 and 110 links of an ``8 x 8``
     product and a tanh; the difference of their times per kernel is the cost
     of a kernel.
   """
-  x = jnp.ones((batch, width), jnp.float32)
-  w = jnp.full((width, width), 0.01, jnp.float32)
   small = jnp.full((8, 8), 0.1, jnp.float32)
   return {
-    "dense": _probe(
-      jax.grad(lambda w, x: jnp.sum(jnp.tanh(jnp.tanh(x @ w) @ w)), argnums=(0, 1)), w, x
-    ),
+    "dense": _dense(batch, width),
     "stream": _probe(lambda v: v + 1.0, jnp.ones((2**20,), jnp.float32)),
     "short chain": _probe(_chain(10), small),
     "long chain": _probe(_chain(110), small),
+    **{f"dense {w}": _dense(128, w) for w in MATMUL_WIDTHS},
   }
 
 
-def host_rates(probes: dict[str, Probe], seconds: dict[str, float]) -> dict[str, float]:
+def host_rates(probes: dict[str, Probe], seconds: dict[str, float]) -> dict[str, Any]:
   """`Cluster` rates from the seconds per call of `host_probes`' programs.
 
-  ``flops_per_s`` (the dense workload's flops over its time),
-  ``memory_bandwidth`` (the stream's bytes over its time; both collective
-  bandwidths too: devices of a host share its memory) and ``kernel_overhead``
-  (the chains' difference in time over their difference in kernels), as
+  ``flops_per_s`` (the dense workload's flops over its time), ``matmul_rates``
+  (the same at each of `MATMUL_WIDTHS`), ``memory_bandwidth`` (the stream's
+  bytes over its time; both collective bandwidths too: devices of a host
+  share its memory) and ``kernel_overhead`` (the chains' difference in time
+  over their difference in kernels), as
   keyword arguments of `Cluster` or ``dataclasses.replace``.
   """
   bandwidth = probes["stream"].cost.bytes / seconds["stream"]
@@ -202,6 +227,9 @@ def host_rates(probes: dict[str, Probe], seconds: dict[str, float]) -> dict[str,
     "intra_node_bandwidth": bandwidth,
     "inter_node_bandwidth": bandwidth,
     "kernel_overhead": max(extra, 1e-9) / max(kernels, 1.0),
+    "matmul_rates": tuple(
+      probes[f"dense {w}"].cost.flops / seconds[f"dense {w}"] for w in MATMUL_WIDTHS
+    ),
   }
 
 
@@ -231,7 +259,7 @@ def measure_host(name: str = "this host", batch: int = 128, width: int = 256) ->
     latency=latency,
     memory=memory,
     source=f"measured: 2 dense layers {width} wide, forward and backward on {batch} rows; "
-    "x + 1 on 4 MB; a scalar call; chains of tiny kernels",
+    "x + 1 on 4 MB; a scalar call; chains of tiny kernels; dense layers 16 to 1024 wide",
     **host_rates(probes, seconds),
   )
 
@@ -257,26 +285,42 @@ class ProgramCost(NamedTuple):
     lapack_flops: those of the LAPACK decompositions it does not count.
     bytes: bytes its operations read and write.
     kernels: operations it launches (`kernel_count`).
+    matmuls: the part of ``flops`` in matrix products and convolutions, by
+      the size of the product (`binned` `matmul_flops`, one entry per
+      `MATMUL_SIZES`).
   """
 
   flops: float
   lapack_flops: float
   bytes: float
   kernels: float = 0.0
+  matmuls: tuple[float, ...] = (0.0,) * len(MATMUL_SIZES)
 
   def __add__(self, other: ProgramCost) -> ProgramCost:  # type: ignore[override]
-    return ProgramCost(*(a + b for a, b in zip(self, other, strict=True)))
+    return ProgramCost(*_combine(lambda a, b: a + b, self, other))
 
   def scaled(self, factor: float) -> ProgramCost:
-    return ProgramCost(*(factor * a for a in self))
+    return ProgramCost(*_combine(lambda a, _: factor * a, self, self))
 
   def seconds(self, cluster: Cluster) -> float:
-    """``(flops + lapack_flops) / flops_per_s + bytes / memory_bandwidth + kernels * kernel_overhead``."""
+    """``sum_s matmuls[s] / matmul_rates[s] + (other flops + lapack_flops) / flops_per_s + bytes / memory_bandwidth + kernels * kernel_overhead``.
+
+    Without ``cluster.matmul_rates`` every flop runs at ``flops_per_s``.
+    """
+    rates = cluster.matmul_rates or (cluster.flops_per_s,) * len(MATMUL_SIZES)
+    other = max(self.flops - sum(self.matmuls), 0.0) + self.lapack_flops
     return (
-      (self.flops + self.lapack_flops) / cluster.flops_per_s
+      sum(m / r for m, r in zip(self.matmuls, rates, strict=True))
+      + other / cluster.flops_per_s
       + self.bytes / cluster.memory_bandwidth
       + self.kernels * cluster.kernel_overhead
     )
+
+
+def _combine(op, x: ProgramCost, y: ProgramCost) -> list:
+  return [
+    tuple(map(op, a, b)) if isinstance(a, tuple) else op(a, b) for a, b in zip(x, y, strict=True)
+  ]
 
 
 _LAPACK = re.compile(r'custom_call_target="([^"]*(?:syevd|potrf|heevd|trsm)[^"]*)"')
@@ -299,11 +343,11 @@ def lapack_flops(hlo: str) -> float:
     if operand is None:
       operand = re.search(r"= \(?\w+\[([\d,]+)\]", line)
     dims = [int(d) for d in operand.group(1).split(",")]
-    r, n, batch = dims[-2], dims[-1], int(np.prod(dims[:-2]))
+    r, c, batch = dims[-2], dims[-1], int(np.prod(dims[:-2]))
     if "trsm" in target.group(1):
-      total += batch * r * n * max(r, n)
+      total += batch * r * c * max(r, c)
     else:
-      total += batch * (1.0 / 3.0 if "potrf" in target.group(1) else 9.0) * n**3
+      total += batch * (1.0 / 3.0 if "potrf" in target.group(1) else 9.0) * c**3
   return total
 
 
@@ -315,14 +359,8 @@ _CALLED = re.compile(
 )
 
 
-def kernel_count(hlo: str) -> float:
-  """Operations a compiled program launches, from its HLO text.
-
-  Every instruction of the entry computation but parameters, constants and
-  tuple plumbing counts one (a fusion is one kernel); a conditional counts its
-  largest branch (as XLA's cost analysis counts its flops, as if the branch
-  always ran), a loop its body once.
-  """
+def _computations(hlo: str) -> tuple[dict[str, list[str]], str | None]:
+  """An HLO text's computations (their instruction lines, by name) and the entry's name."""
   computations: dict[str, list[str]] = {}
   entry, current = None, None
   for line in hlo.splitlines():
@@ -335,6 +373,27 @@ def kernel_count(hlo: str) -> float:
       current = None
     elif current is not None:
       computations[current].append(line)
+  return computations, entry
+
+
+def _branches(line: str) -> list[str]:
+  """The computations a conditional or a loop instruction runs."""
+  called = []
+  for m in _CALLED.finditer(line):
+    names = m.group(1).split(",") if m.group(1) else [m.group(2) or m.group(3)]
+    called += [n.strip().lstrip("%") for n in names]
+  return called
+
+
+def kernel_count(hlo: str) -> float:
+  """Operations a compiled program launches, from its HLO text.
+
+  Every instruction of the entry computation but parameters, constants and
+  tuple plumbing counts one (a fusion is one kernel); a conditional counts its
+  largest branch (as XLA's cost analysis counts its flops, as if the branch
+  always ran), a loop its body once.
+  """
+  computations, entry = _computations(hlo)
 
   def count(name: str, depth: int = 0) -> float:
     total = 0.0
@@ -343,16 +402,70 @@ def kernel_count(hlo: str) -> float:
       if op is None or op.group(1) in _NOT_KERNELS:
         continue
       if op.group(1) in ("conditional", "while") and depth < 16:
-        called = []
-        for m in _CALLED.finditer(line):
-          names = m.group(1).split(",") if m.group(1) else [m.group(2) or m.group(3)]
-          called += [n.strip().lstrip("%") for n in names]
-        total += max((count(c, depth + 1) for c in called), default=0.0)
+        total += max((count(c, depth + 1) for c in _branches(line)), default=0.0)
       else:
         total += 1.0
     return total
 
   return count(entry) if entry is not None else 0.0
+
+
+_DEFINED = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\w+\[([\d,]*)\]")
+_OPERANDS = re.compile(r"\s(dot|convolution)\(%?([\w.\-]+),\s*%?([\w.\-]+)\)")
+_FUSED = re.compile(r"\bcalls=%?([\w.\-]+)")
+
+
+def _dims(text: str) -> list[int]:
+  return [int(d) for d in text.split(",") if d]
+
+
+def matmul_flops(hlo: str) -> list[float]:
+  """The flops of each matrix product and convolution a compiled program runs, from its HLO text.
+
+  ``2 * prod(result) * prod(contracted dims)`` per ``dot``, ``2 * prod(result)
+  * prod(kernel) / output features`` per ``convolution``, inside fusions too;
+  a conditional counts its branch of most such flops, a loop its body once (as
+  `kernel_count`).
+  """
+  computations, entry = _computations(hlo)
+
+  def products(name: str, depth: int = 0) -> list[float]:
+    lines = computations.get(name, ())
+    shapes = {m.group(1): _dims(m.group(2)) for m in map(_DEFINED.match, lines) if m}
+    out: list[float] = []
+    for line in lines:
+      op = _INSTRUCTION.search(line)
+      if op is None or depth >= 16:
+        continue
+      if op.group(1) in ("conditional", "while"):
+        out += max((products(c, depth + 1) for c in _branches(line)), key=sum, default=[])
+      elif op.group(1) == "fusion" and (fused := _FUSED.search(line)):
+        out += products(fused.group(1), depth + 1)
+      elif (operands := _OPERANDS.search(line)) and (defined := _DEFINED.match(line)):
+        result = math.prod(_dims(defined.group(2)))
+        lhs, rhs = shapes.get(operands.group(2)), shapes.get(operands.group(3))
+        if lhs is None or rhs is None:
+          continue
+        if operands.group(1) == "dot":
+          contracted = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
+          k = math.prod(lhs[i] for i in _dims(contracted.group(1))) if contracted else 1
+          out.append(2.0 * result * k)
+        else:
+          labels = re.search(r"dim_labels=\w+_(\w+)->", line)
+          features = rhs[labels.group(1).index("o")] if labels else 1
+          out.append(2.0 * result * math.prod(rhs) / max(features, 1))
+    return out
+
+  return products(entry) if entry is not None else []
+
+
+def binned(flops: Sequence[float]) -> tuple[float, ...]:
+  """Products' flops summed by the nearest of `MATMUL_SIZES` (on a log scale)."""
+  out = [0.0] * len(MATMUL_SIZES)
+  logs = np.log(MATMUL_SIZES)
+  for f in flops:
+    out[int(np.argmin(np.abs(logs - np.log(max(f, 1.0)))))] += f
+  return tuple(out)
 
 
 def program_cost(compiled: Any) -> ProgramCost:
@@ -365,6 +478,7 @@ def program_cost(compiled: Any) -> ProgramCost:
     lapack_flops(text),
     float(analysis.get("bytes accessed", 0.0)),
     kernel_count(text),
+    binned(matmul_flops(text)),
   )
 
 

@@ -186,6 +186,10 @@ def test_cluster_rejects_bad_figures():
     dataclasses.replace(CLUSTER, flops_per_s=0.0)
   with pytest.raises(ValueError, match="devices_per_node"):
     dataclasses.replace(CLUSTER, devices_per_node=0)
+  with pytest.raises(ValueError, match="matmul_rates"):
+    dataclasses.replace(CLUSTER, matmul_rates=(1e9,) * 3)
+  with pytest.raises(ValueError, match="matmul_rates"):
+    dataclasses.replace(CLUSTER, matmul_rates=(0.0,) * len(projection.MATMUL_SIZES))
 
 
 # ------------------------------------------------------------------------- projection
@@ -215,6 +219,44 @@ def test_program_cost_counts_lapack_and_the_kernels_of_the_larger_branch():
   assert cost.flops >= 2 * 8**3
 
 
+def test_products_and_convolutions_are_counted_by_size_and_run_at_their_rates():
+  def f(x, w, k, p):
+    y = x @ w  # 2 * 128 * 256 * 64 flops
+    z = jax.lax.conv_general_dilated(  # 2 * (8 * 30 * 4) * (3 * 2) flops: 3 taps, 2 in
+      k, jnp.ones((3, 2, 4)), (1,), "VALID", dimension_numbers=("NWC", "WIO", "NWC")
+    )
+    big = jax.lax.cond(p, lambda: jnp.sum(w.T @ w), lambda: 0.0)  # 2 * 64 * 256 * 64
+    return jnp.sum(y) + jnp.sum(z) + big
+
+  args = (jnp.ones((128, 256)), jnp.ones((256, 64)), jnp.ones((8, 32, 2)), True)
+  text = jax.jit(f).lower(*args).compile().as_text()
+  flops = sorted(projection.matmul_flops(text))
+  assert flops == [2 * 8 * 30 * 4 * 3 * 2, 2 * 64 * 256 * 64, 2 * 128 * 256 * 64]
+  cost = projection.cost_of(f, *args)
+  assert sum(cost.matmuls) == sum(flops)  # each in the bin of its size
+  sizes = np.log(projection.MATMUL_SIZES)
+  for size in flops:
+    assert cost.matmuls[int(np.argmin(np.abs(sizes - np.log(size))))] >= size
+  # At the cluster's rates: each bin at its own, the rest of XLA's flops at flops_per_s.
+  rates = tuple(1e9 * (i + 1) for i in range(len(projection.MATMUL_SIZES)))
+  host = dataclasses.replace(CLUSTER, matmul_rates=rates)
+  expected = (
+    sum(m / r for m, r in zip(cost.matmuls, rates))
+    + (cost.flops - sum(cost.matmuls)) / CLUSTER.flops_per_s
+    + cost.bytes / CLUSTER.memory_bandwidth
+    + cost.kernels * CLUSTER.kernel_overhead
+  )
+  assert cost.seconds(host) == pytest.approx(expected)
+  assert cost.seconds(CLUSTER) == pytest.approx(  # without rates: every flop at flops_per_s
+    cost.flops / CLUSTER.flops_per_s
+    + cost.bytes / CLUSTER.memory_bandwidth
+    + cost.kernels * CLUSTER.kernel_overhead
+  )
+  both = cost + cost.scaled(0.5)
+  assert both.matmuls == tuple(1.5 * m for m in cost.matmuls)
+  assert both.flops == 1.5 * cost.flops
+
+
 def test_program_cost_counts_the_triangular_solves_of_a_cholesky_inverse():
   def f(x):
     factor = jnp.linalg.cholesky(x @ x.T + 8.0 * jnp.eye(8))
@@ -234,11 +276,18 @@ def test_host_rates_are_the_probes_costs_over_their_seconds():
   assert stream.bytes == 2 * 4 * 2**20  # 1 Mi float32s read and written
   assert long.kernels - short.kernels == 2 * 100  # a product and a tanh per link
   seconds = {"dense": 2e-3, "stream": 1e-4, "short chain": 3e-5, "long chain": 2.3e-4}
+  seconds |= {f"dense {w}": 1e-6 * w for w in projection.MATMUL_WIDTHS}
+  for w in projection.MATMUL_WIDTHS:  # three products of 2 * 128 * w^2 per layer, and tanh
+    products = 3 * 2 * (2 * 128 * w * w)
+    assert products <= probes[f"dense {w}"].cost.flops <= 1.05 * products
   rates = projection.host_rates(probes, seconds)
   assert rates["flops_per_s"] == pytest.approx(dense.flops / 2e-3)
   assert rates["memory_bandwidth"] == pytest.approx(stream.bytes / 1e-4)
   assert rates["inter_node_bandwidth"] == rates["intra_node_bandwidth"] == rates["memory_bandwidth"]
   assert rates["kernel_overhead"] == pytest.approx(2e-4 / 200)
+  assert rates["matmul_rates"] == pytest.approx(
+    [probes[f"dense {w}"].cost.flops / seconds[f"dense {w}"] for w in projection.MATMUL_WIDTHS]
+  )
   host = dataclasses.replace(CLUSTER, **rates)  # a valid Cluster
   assert host.flops_per_s == rates["flops_per_s"]
 
