@@ -6,8 +6,9 @@ the seconds per step on ``N`` data-parallel devices:
 
 * compute: ``(flops + lapack_flops) / flops_per_s + bytes / memory_bandwidth``
   per device, from XLA's cost analysis of the compiled program (``flops`` and
-  ``bytes accessed``) and the LAPACK decompositions it does not count
-  (`lapack_flops`: ``9 n^3`` per ``eigh``, ``n^3 / 3`` per Cholesky). XLA
+  ``bytes accessed``) and the LAPACK calls it does not count (`lapack_flops`),
+  products and convolutions at the rate for their size where the cluster has
+  one (`Cluster.matmul_rates`, `ProgramCost.seconds`). XLA
   counts a ``lax.cond`` as if its branch always ran, so K-FAC's factor and
   decomposition phases are compiled on their own (`kfac_work`) and amortised by
   their cadence; on ``N`` devices with grad worker fraction ``f`` each device
