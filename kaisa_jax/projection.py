@@ -308,14 +308,13 @@ class ProgramCost(NamedTuple):
 
     Without ``cluster.matmul_rates`` every flop runs at ``flops_per_s``.
     """
-    rates = cluster.matmul_rates or (cluster.flops_per_s,) * len(MATMUL_SIZES)
-    other = max(self.flops - sum(self.matmuls), 0.0) + self.lapack_flops
-    return (
-      sum(m / r for m, r in zip(self.matmuls, rates, strict=True))
-      + other / cluster.flops_per_s
-      + self.bytes / cluster.memory_bandwidth
-      + self.kernels * cluster.kernel_overhead
-    )
+    flops = (self.flops + self.lapack_flops) / cluster.flops_per_s
+    if cluster.matmul_rates is not None:
+      other = max(self.flops - sum(self.matmuls), 0.0) + self.lapack_flops
+      flops = other / cluster.flops_per_s + sum(
+        m / r for m, r in zip(self.matmuls, cluster.matmul_rates, strict=True)
+      )
+    return flops + self.bytes / cluster.memory_bandwidth + self.kernels * cluster.kernel_overhead
 
 
 def _combine(op, x: ProgramCost, y: ProgramCost) -> list:
