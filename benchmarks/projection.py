@@ -3,10 +3,11 @@
 This machine is described by `kaisa_jax.projection.measure_host`; each
 model's SGD and K-FAC steps (factors every 10 steps, decompositions every 100,
 batch 128) are compiled for one device, projected from XLA's cost analysis, and
-timed: SGD, K-FAC and the host's probes (`kaisa_jax.projection.host_probes`: a
-dense workload, a stream, chains of tiny kernels) take turns in blocks of 100
-calls (whole cadence cycles), the median block mean is reported, and the
-projection uses the rates the probes gave in those same turns. The projection must land within 30 % of the measured time.
+timed: SGD, K-FAC and the host's probes (`kaisa_jax.projection.host_probes`:
+dense layers 16 to 1024 wide, a stream, chains of tiny kernels) take turns in
+blocks of 100 calls (whole cadence cycles), the median block mean is reported,
+and the projection uses the rates the probes gave in those same turns. The
+projection must land within 30 % of the measured time.
 
 Run: ``python benchmarks/projection.py [--blocks 5] [--models mnist1d resnet mlp]``.
 """

@@ -180,20 +180,20 @@ def _chain(links: int) -> Any:
   return f
 
 
-def _dense(batch: int, width: int) -> Probe:
-  """Two ``width x width`` dense layers' forward and backward pass on ``batch`` rows."""
-  x = jnp.ones((batch, width), jnp.float32)
+def _dense(width: int) -> Probe:
+  """Two ``width x width`` dense layers' forward and backward pass on 128 rows."""
+  x = jnp.ones((128, width), jnp.float32)
   w = jnp.full((width, width), 1.0 / width, jnp.float32)
   return _probe(jax.grad(lambda w, x: jnp.sum(jnp.tanh(jnp.tanh(x @ w) @ w)), argnums=(0, 1)), w, x)
 
 
-def host_probes(batch: int = 128, width: int = 256) -> dict[str, Probe]:
+def host_probes() -> dict[str, Probe]:
   """The programs `measure_host` times, by name; `host_rates` turns their seconds into rates.
 
   * ``"dense W"`` for each ``W`` of `MATMUL_WIDTHS`: a training-shaped float32
     workload, the forward and backward pass of two ``W x W`` dense layers on
     128 rows (three products of ``2 * 128 * W^2`` flops per layer, and their
-    elementwise work); ``"dense"``: the same at ``width`` on ``batch`` rows.
+    elementwise work).
   * ``"stream"``: ``x + 1`` on 4 MB (cache-sized, as a step's buffers are).
   * ``"short chain"``, ``"long chain"``: 10 and 110 links of an ``8 x 8``
     product and a tanh; the difference of their times per kernel is the cost
@@ -201,29 +201,28 @@ def host_probes(batch: int = 128, width: int = 256) -> dict[str, Probe]:
   """
   small = jnp.full((8, 8), 0.1, jnp.float32)
   return {
-    "dense": _dense(batch, width),
     "stream": _probe(lambda v: v + 1.0, jnp.ones((2**20,), jnp.float32)),
     "short chain": _probe(_chain(10), small),
     "long chain": _probe(_chain(110), small),
-    **{f"dense {w}": _dense(128, w) for w in MATMUL_WIDTHS},
+    **{f"dense {w}": _dense(w) for w in MATMUL_WIDTHS},
   }
 
 
 def host_rates(probes: dict[str, Probe], seconds: dict[str, float]) -> dict[str, Any]:
   """`Cluster` rates from the seconds per call of `host_probes`' programs.
 
-  ``flops_per_s`` (the dense workload's flops over its time), ``matmul_rates``
-  (the same at each of `MATMUL_WIDTHS`), ``memory_bandwidth`` (the stream's
-  bytes over its time; both collective bandwidths too: devices of a host
-  share its memory) and ``kernel_overhead`` (the chains' difference in time
-  over their difference in kernels), as
-  keyword arguments of `Cluster` or ``dataclasses.replace``.
+  ``matmul_rates`` (each dense workload's flops over its time),
+  ``flops_per_s`` (the 256-wide one's, the shapes a small model's step runs),
+  ``memory_bandwidth`` (the stream's bytes over its time; both collective
+  bandwidths too: devices of a host share its memory) and
+  ``kernel_overhead`` (the chains' difference in time over their difference
+  in kernels), as keyword arguments of `Cluster` or ``dataclasses.replace``.
   """
   bandwidth = probes["stream"].cost.bytes / seconds["stream"]
   kernels = probes["long chain"].cost.kernels - probes["short chain"].cost.kernels
   extra = seconds["long chain"] - seconds["short chain"]
   return {
-    "flops_per_s": probes["dense"].cost.flops / seconds["dense"],
+    "flops_per_s": probes["dense 256"].cost.flops / seconds["dense 256"],
     "memory_bandwidth": bandwidth,
     "intra_node_bandwidth": bandwidth,
     "inter_node_bandwidth": bandwidth,
@@ -234,7 +233,7 @@ def host_rates(probes: dict[str, Probe], seconds: dict[str, float]) -> dict[str,
   }
 
 
-def measure_host(name: str = "this host", batch: int = 128, width: int = 256) -> Cluster:
+def measure_host(name: str = "this host") -> Cluster:
   """This machine's first device, measured by small programs timed at call.
 
   The rates come from `host_probes` (median of 30 calls each) through
@@ -244,7 +243,7 @@ def measure_host(name: str = "this host", batch: int = 128, width: int = 256) ->
   shared machine): time the probes in turns with that work where the
   comparison matters, as ``benchmarks/projection.py`` does.
   """
-  probes = host_probes(batch, width)
+  probes = host_probes()
   seconds = {k: _median_seconds(p.fn, *p.args, repeats=30) for k, p in probes.items()}
   latency = _median_seconds(jax.jit(lambda s: s + 1.0), jnp.float32(0), repeats=50)
   stats = jax.devices()[0].memory_stats() or {}  # an accelerator's; None on a CPU
@@ -259,8 +258,8 @@ def measure_host(name: str = "this host", batch: int = 128, width: int = 256) ->
     devices_per_node=jax.local_device_count(),
     latency=latency,
     memory=memory,
-    source=f"measured: 2 dense layers {width} wide, forward and backward on {batch} rows; "
-    "x + 1 on 4 MB; a scalar call; chains of tiny kernels; dense layers 16 to 1024 wide",
+    source="measured: 2 dense layers 16 to 1024 wide, forward and backward on 128 rows; "
+    "x + 1 on 4 MB; a scalar call; chains of tiny kernels",
     **host_rates(probes, seconds),
   )
 
