@@ -424,7 +424,9 @@ def matmul_flops(hlo: str) -> list[float]:
   ``2 * prod(result) * prod(contracted dims)`` per ``dot``, ``2 * prod(result)
   * prod(kernel) / output features`` per ``convolution``, inside fusions too;
   a conditional counts its branch of most such flops, a loop its body once (as
-  `kernel_count`).
+  `kernel_count`). XLA's CPU programs keep them as such; a GPU program runs
+  them as library calls (cuBLAS, cuDNN), which this does not count, so its
+  flops all go at ``flops_per_s``.
   """
   computations, entry = _computations(hlo)
 
