@@ -307,8 +307,9 @@ class ProgramCost(NamedTuple):
 
     Without ``cluster.matmul_rates`` every flop runs at ``flops_per_s``.
     """
-    flops = (self.flops + self.lapack_flops) / cluster.flops_per_s
-    if cluster.matmul_rates is not None:
+    if cluster.matmul_rates is None:
+      flops = (self.flops + self.lapack_flops) / cluster.flops_per_s
+    else:
       other = max(self.flops - sum(self.matmuls), 0.0) + self.lapack_flops
       flops = other / cluster.flops_per_s + sum(
         m / r for m, r in zip(self.matmuls, cluster.matmul_rates, strict=True)
@@ -323,6 +324,10 @@ def _combine(op, x: ProgramCost, y: ProgramCost) -> list:
 
 
 _LAPACK = re.compile(r'custom_call_target="([^"]*(?:syevd|potrf|heevd|trsm)[^"]*)"')
+
+
+def _dims(text: str) -> list[int]:
+  return [int(d) for d in text.split(",") if d]
 
 
 def lapack_flops(hlo: str) -> float:
@@ -341,7 +346,7 @@ def lapack_flops(hlo: str) -> float:
     operand = re.search(r"custom-call\((?:[a-z0-9]+)\[([\d,]+)\]", line)
     if operand is None:
       operand = re.search(r"= \(?\w+\[([\d,]+)\]", line)
-    dims = [int(d) for d in operand.group(1).split(",")]
+    dims = _dims(operand.group(1))
     r, c, batch = dims[-2], dims[-1], int(np.prod(dims[:-2]))
     if "trsm" in target.group(1):
       total += batch * r * c * max(r, c)
@@ -414,10 +419,6 @@ _OPERANDS = re.compile(r"\s(dot|convolution)\(%?([\w.\-]+),\s*%?([\w.\-]+)\)")
 _FUSED = re.compile(r"\bcalls=%?([\w.\-]+)")
 
 
-def _dims(text: str) -> list[int]:
-  return [int(d) for d in text.split(",") if d]
-
-
 def matmul_flops(hlo: str) -> list[float]:
   """The flops of each matrix product and convolution a compiled program runs, from its HLO text.
 
@@ -431,12 +432,14 @@ def matmul_flops(hlo: str) -> list[float]:
   computations, entry = _computations(hlo)
 
   def products(name: str, depth: int = 0) -> list[float]:
+    if depth >= 16:
+      return []
     lines = computations.get(name, ())
     shapes = {m.group(1): _dims(m.group(2)) for m in map(_DEFINED.match, lines) if m}
     out: list[float] = []
     for line in lines:
       op = _INSTRUCTION.search(line)
-      if op is None or depth >= 16:
+      if op is None:
         continue
       if op.group(1) in ("conditional", "while"):
         out += max((products(c, depth + 1) for c in _branches(line)), key=sum, default=[])
