@@ -9,7 +9,15 @@ blocks of 100 calls (whole cadence cycles), the median block mean is reported,
 and the projection uses the rates the probes gave in those same turns. The
 projection must land within 30 % of the measured time.
 
-Run: ``python benchmarks/projection.py [--blocks 5] [--models mnist1d resnet mlp]``.
+The process keeps the memory its programs free (`step_time.keep_freed_memory`)
+unless ``--allocator default``: glibc's default unmaps blocks above 32 MB, so
+a step whose temporaries exceed that (the MLP's K-FAC step) takes a page fault
+per 4 KB of them at every call, which is neither compute nor memory traffic
+and which a GPU's allocator, keeping its pool, does not do. The page faults
+per step are printed either way.
+
+Run: ``python benchmarks/projection.py [--blocks 5] [--models mnist1d resnet mlp]
+[--allocator kept|default]``.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from step_time import MLP, interleaved_seconds
+from step_time import MLP, interleaved_seconds, keep_freed_memory, page_faults
 
 import kaisa_jax
 from experiments import optimizers, tasks
@@ -100,18 +108,27 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--blocks", type=int, default=5, help="timed blocks of 100 steps")
   parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+  parser.add_argument(
+    "--allocator",
+    choices=("kept", "default"),
+    default="kept",
+    help="kept: freed memory is reused (step_time.keep_freed_memory), as a GPU's allocator "
+    "does; default: glibc's, which unmaps blocks above 32 MB and faults them in at every call",
+  )
   args = parser.parse_args()
+  kept = args.allocator == "kept" and keep_freed_memory()
   host = projection.measure_host()
   probes = projection.host_probes()
   print(
     f"jax {jax.__version__}; {host.name}: {host.flops_per_s / 1e9:.1f} GFLOP/s, "
     f"{host.memory_bandwidth / 1e9:.1f} GB/s, {1e6 * host.kernel_overhead:.2f} us per kernel "
     f"({host.source}); batch {BATCH}, K-FAC "
-    f"cadence ({FACTOR_STEPS}, {INV_STEPS})"
+    f"cadence ({FACTOR_STEPS}, {INV_STEPS}); allocator: "
+    + ("freed memory kept" if kept else "the C library's default")
   )
   print(
     f"{'model':<8} {'optimizer':<9} {'GFLOP':>7} {'MB':>7} {'kernels':>7} {'measured ms':>11} "
-    f"{'projected ms':>12} {'projected/measured':>18}"
+    f"{'projected ms':>12} {'projected/measured':>18} {'faults/step':>11}"
   )
   try:  # the data-sheet preset of this device, where there is one (A100, H100)
     preset = projection.cluster_of(jax.devices()[0])
@@ -152,6 +169,10 @@ def main() -> None:
       "SGD": projection.project_step(projection.program_cost(sgd_compiled), host),
       "K-FAC": projection.project_step(projection.program_cost(kfac_compiled), host, kfac=work),
     }
+    faults = {
+      "SGD": page_faults(carried(sgd_step), sgd_carry, batch),
+      "K-FAC": page_faults(carried(kfac_step), kfac_carry, batch),
+    }
     for opt, compiled in (("SGD", sgd_compiled), ("K-FAC", kfac_compiled)):
       c = projection.program_cost(compiled)
       ratio = projected[opt].total / measured[opt]
@@ -164,7 +185,7 @@ def main() -> None:
       print(
         f"{name:<8} {opt:<9} {(c.flops + c.lapack_flops) / 1e9:>7.3f} {c.bytes / 1e6:>7.1f}"
         f" {c.kernels:>7.0f} {1e3 * measured[opt]:>11.2f} {1e3 * projected[opt].total:>12.2f}"
-        f" {ratio:>17.2f}x{extra}"
+        f" {ratio:>17.2f}x {faults[opt]:>11.0f}{extra}"
       )
   verdict = "within" if worst <= TOLERANCE else "NOT within"
   print(f"largest deviation {100 * worst:.0f}%: {verdict} the {100 * TOLERANCE:.0f}% target")
