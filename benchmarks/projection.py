@@ -92,6 +92,11 @@ def probed(probe: projection.Probe):
   return lambda *_: (probe.fn(*probe.args),)
 
 
+def temporaries(compiled) -> float:
+  """Bytes of temporaries XLA allocates at every call of a compiled program."""
+  return float(compiled.memory_analysis().temp_size_in_bytes)
+
+
 def kfac_work(task: tasks.Task, carry, batch) -> projection.KFACWork:
   """K-FAC's phases for the task, compiled alone (same layers and settings as the step)."""
   params, state, opt_state = carry
@@ -128,7 +133,7 @@ def main() -> None:
   )
   print(
     f"{'model':<8} {'optimizer':<9} {'GFLOP':>7} {'MB':>7} {'kernels':>7} {'measured ms':>11} "
-    f"{'projected ms':>12} {'projected/measured':>18} {'faults/step':>11}"
+    f"{'projected ms':>12} {'projected/measured':>18} {'faults/step':>11} {'temp MB':>7}"
   )
   try:  # the data-sheet preset of this device, where there is one (A100, H100)
     preset = projection.cluster_of(jax.devices()[0])
@@ -185,7 +190,7 @@ def main() -> None:
       print(
         f"{name:<8} {opt:<9} {(c.flops + c.lapack_flops) / 1e9:>7.3f} {c.bytes / 1e6:>7.1f}"
         f" {c.kernels:>7.0f} {1e3 * measured[opt]:>11.2f} {1e3 * projected[opt].total:>12.2f}"
-        f" {ratio:>17.2f}x {faults[opt]:>11.0f}{extra}"
+        f" {ratio:>17.2f}x {faults[opt]:>11.0f} {temporaries(compiled) / 1e6:>7.1f}{extra}"
       )
   verdict = "within" if worst <= TOLERANCE else "NOT within"
   print(f"largest deviation {100 * worst:.0f}%: {verdict} the {100 * TOLERANCE:.0f}% target")
