@@ -170,16 +170,17 @@ def main() -> None:
       )
       + " GFLOP/s"
     )
+    compiled = {"SGD": sgd_compiled, "K-FAC": kfac_compiled}
+    costs = {opt: projection.program_cost(c) for opt, c in compiled.items()}
     projected = {
-      "SGD": projection.project_step(projection.program_cost(sgd_compiled), host),
-      "K-FAC": projection.project_step(projection.program_cost(kfac_compiled), host, kfac=work),
+      "SGD": projection.project_step(costs["SGD"], host),
+      "K-FAC": projection.project_step(costs["K-FAC"], host, kfac=work),
     }
     faults = {
       "SGD": page_faults(carried(sgd_step), sgd_carry, batch),
       "K-FAC": page_faults(carried(kfac_step), kfac_carry, batch),
     }
-    for opt, compiled in (("SGD", sgd_compiled), ("K-FAC", kfac_compiled)):
-      c = projection.program_cost(compiled)
+    for opt, c in costs.items():
       ratio = projected[opt].total / measured[opt]
       worst = max(worst, abs(ratio - 1.0))
       extra = ""
@@ -190,7 +191,7 @@ def main() -> None:
       print(
         f"{name:<8} {opt:<9} {(c.flops + c.lapack_flops) / 1e9:>7.3f} {c.bytes / 1e6:>7.1f}"
         f" {c.kernels:>7.0f} {1e3 * measured[opt]:>11.2f} {1e3 * projected[opt].total:>12.2f}"
-        f" {ratio:>17.2f}x {faults[opt]:>11.0f} {temporaries(compiled) / 1e6:>7.1f}{extra}"
+        f" {ratio:>17.2f}x {faults[opt]:>11.0f} {temporaries(compiled[opt]) / 1e6:>7.1f}{extra}"
       )
   verdict = "within" if worst <= TOLERANCE else "NOT within"
   print(f"largest deviation {100 * worst:.0f}%: {verdict} the {100 * TOLERANCE:.0f}% target")

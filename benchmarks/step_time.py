@@ -106,9 +106,9 @@ def keep_freed_memory() -> bool:
   per call, so a step whose temporaries exceed 32 MB takes a page fault on
   each of their 4 KB pages at every call: the MLP's K-FAC step of
   ``benchmarks/projection.py`` (52 MB of temporaries) about 8,800 per step,
-  32.8 ms a step against 21 ms with freed memory kept. An accelerator's allocator keeps its pool (XLA's BFC allocator on a
-  GPU). With no ``mmap`` for large blocks and no trimming of the heap, freed
-  blocks are reused. Set it before the first large allocation; it stays for
+  32.8 ms a step against 21 ms with freed memory kept. An accelerator's
+  allocator keeps its pool (XLA's BFC allocator on a GPU). With no ``mmap``
+  for large blocks and no trimming of the heap, freed blocks are reused. Set it before the first large allocation; it stays for
   the process. Outside glibc it does nothing and returns ``False``.
   """
   try:
