@@ -156,8 +156,14 @@ def precondition(
 
 
 def kl_clip_scale(vg_sum: Array, kl_clip: Array, lr: Array) -> Array:
-  """``nu = min(1, sqrt(kl_clip / |lr^2 sum_layers <P, V>|))``; 1 when the sum is 0."""
+  """``nu = min(1, sqrt(kl_clip / |lr^2 sum_layers <P, V>|))``; 1 when the sum is 0.
+
+  Computed as ``sqrt(min(1, kl_clip / |lr^2 sum|))``, the same number bit for
+  bit (a correctly rounded square root is monotone and keeps 1 and 0), with
+  the square root last. XLA copies cheap scalar operations into every
+  consumer of their result, here every parameter's update, but not a square
+  root: so every update reads ``nu`` instead of recomputing it.
+  """
   denom = jnp.abs(lr**2 * vg_sum)
-  return jnp.where(
-    denom > 0, jnp.minimum(1.0, jnp.sqrt(kl_clip / jnp.where(denom > 0, denom, 1.0))), 1.0
-  )
+  ratio = jnp.where(denom > 0, kl_clip / jnp.where(denom > 0, denom, 1.0), 1.0)
+  return jnp.sqrt(jnp.minimum(1.0, ratio))

@@ -10,6 +10,7 @@ import pytest
 import references as ref
 
 import kaisa_jax
+from kaisa_jax import preconditioning
 
 
 class MLP(nn.Module):
@@ -133,6 +134,29 @@ def test_kl_clip_matches_formula(kl_clip):
   assert (nu < 1.0) == (kl_clip < 1.0)
   for a, b in zip(jax.tree.leaves(c), jax.tree.leaves(p)):
     np.testing.assert_allclose(a, nu * np.asarray(b), rtol=1e-5, atol=1e-8)
+
+
+def test_kl_clip_scale_is_the_formula_bit_for_bit():
+  """``sqrt(min(1, r))`` (the square root last) against ``min(1, sqrt(r))`` in float32.
+
+  Ratios stay above float32's smallest normal number: XLA's CPU code flushes
+  subnormal results to zero, NumPy does not.
+  """
+  rng = np.random.default_rng(0)
+  vg = (10.0 ** rng.uniform(-30, 27, 4000) * rng.choice([-1, 1], 4000)).astype(np.float32)
+  vg[:6] = [0.0, -0.0, np.inf, -np.inf, np.nan, np.float32(1e-45)]
+  kl = (10.0 ** rng.uniform(-8, 2, 4000)).astype(np.float32)
+  lr = (10.0 ** rng.uniform(-4, 1, 4000)).astype(np.float32)
+  # ratios at 1 and one float32 step either side of it
+  kl[6:9] = lr[6:9] ** 2 * np.abs(vg[6:9]) * np.float32([1 - 2**-23, 1, 1 + 2**-23])
+  denom = np.abs(lr**2 * vg)
+  with np.errstate(divide="ignore", invalid="ignore"):
+    expected = np.where(
+      denom > 0, np.minimum(np.float32(1), np.sqrt(kl / np.where(denom > 0, denom, 1))), 1
+    ).astype(np.float32)
+  got = np.asarray(jax.jit(jax.vmap(preconditioning.kl_clip_scale))(vg, kl, lr))
+  np.testing.assert_array_equal(got.view(np.int32), expected.view(np.int32))
+  assert (got < 1).sum() > 1000 and (got == 1).sum() > 1000
 
 
 def test_skipped_work_sits_under_cond():
