@@ -147,7 +147,7 @@ def test_kl_clip_scale_is_the_formula_bit_for_bit():
   vg[:6] = [0.0, -0.0, np.inf, -np.inf, np.nan, np.float32(1e-45)]
   kl = (10.0 ** rng.uniform(-8, 2, 4000)).astype(np.float32)
   lr = (10.0 ** rng.uniform(-4, 1, 4000)).astype(np.float32)
-  # ratios at 1 and one float32 step either side of it
+  # ratios just below 1, at 1 and just above it
   kl[6:9] = lr[6:9] ** 2 * np.abs(vg[6:9]) * np.float32([1 - 2**-23, 1, 1 + 2**-23])
   denom = np.abs(lr**2 * vg)
   with np.errstate(divide="ignore", invalid="ignore"):
