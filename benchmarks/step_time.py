@@ -108,8 +108,9 @@ def keep_freed_memory() -> bool:
   ``benchmarks/projection.py`` (52 MB of temporaries) about 8,800 per step,
   32.8 ms a step against 21 ms with freed memory kept. An accelerator's
   allocator keeps its pool (XLA's BFC allocator on a GPU). With no ``mmap``
-  for large blocks and no trimming of the heap, freed blocks are reused. Set it before the first large allocation; it stays for
-  the process. Outside glibc it does nothing and returns ``False``.
+  for large blocks and no trimming of the heap, freed blocks are reused. Set
+  it before the first large allocation; it stays for the process. Outside
+  glibc it does nothing and returns ``False``.
   """
   try:
     libc = ctypes.CDLL("libc.so.6")
