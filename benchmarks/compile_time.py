@@ -16,7 +16,7 @@ cadence (10, 100):
 Cold single measurements in one process move by 10 to 20 % between runs, so
 ``--fresh N`` then also compiles the 128-layer stack's two steps in ``N`` fresh
 processes (SGD then K-FAC in each, nothing compiled before) and prints each
-pair and the median ratio.
+pair, the median ratio with its quartiles, and the ratio of the median times.
 
 Run: ``python benchmarks/compile_time.py [--quick] [--fresh N]``.
 """
@@ -167,19 +167,35 @@ def cold_pair(depth: int) -> tuple[float, float]:
 
 
 def fresh_processes(depth: int, n: int) -> None:
-  ratios = []
+  """Prints each fresh process's pair, then the median ratio and its spread.
+
+  Single pairs on this kind of shared machine spread by tens of percent (the
+  same compile can take 1.4 s or 2.2 s), so the verdict is the median over many
+  processes, given with its quartiles and the ratio of the median times.
+  """
+  ratios, times = [], []
   for i in range(n):
     out = subprocess.run(
       [sys.executable, __file__, "--cold", str(depth)], capture_output=True, text=True, check=True
     )
     sgd, kfac = map(float, out.stdout.split())
     ratios.append(kfac / sgd)
+    times.append((sgd, kfac))
     print(
       f"fresh process {i + 1}: {depth} dense layers, SGD {sgd:.2f} s, K-FAC {kfac:.2f} s,"
       f" {kfac / sgd:.2f}x",
       flush=True,
     )
-  print(f"median over {n} fresh processes: {statistics.median(ratios):.2f}x")
+  sgd, kfac = (statistics.median(t) for t in zip(*times))
+  spread = (
+    f", quartiles {' to '.join(f'{q:.2f}x' for q in statistics.quantiles(ratios)[::2])}"
+    if n > 1
+    else ""
+  )
+  print(
+    f"median over {n} fresh processes: {statistics.median(ratios):.2f}x{spread};"
+    f" median times SGD {sgd:.2f} s, K-FAC {kfac:.2f} s ({kfac / sgd:.2f}x)"
+  )
 
 
 def main() -> None:
