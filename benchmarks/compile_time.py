@@ -206,6 +206,8 @@ def main() -> None:
   )
   parser.add_argument("--cold", type=int, help=argparse.SUPPRESS)  # one fresh process's pair
   args = parser.parse_args()
+  if args.fresh < 0:
+    parser.error(f"--fresh takes a number of processes, 0 or more; got {args.fresh}")
   if args.cold:
     print(*cold_pair(args.cold))
     return
