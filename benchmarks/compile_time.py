@@ -173,19 +173,19 @@ def fresh_processes(depth: int, n: int) -> None:
   same compile can take 1.4 s or 2.2 s), so the verdict is the median over many
   processes, given with its quartiles and the ratio of the median times.
   """
-  ratios, times = [], []
+  times = []
   for i in range(n):
     out = subprocess.run(
       [sys.executable, __file__, "--cold", str(depth)], capture_output=True, text=True, check=True
     )
     sgd, kfac = map(float, out.stdout.split())
-    ratios.append(kfac / sgd)
     times.append((sgd, kfac))
     print(
       f"fresh process {i + 1}: {depth} dense layers, SGD {sgd:.2f} s, K-FAC {kfac:.2f} s,"
       f" {kfac / sgd:.2f}x",
       flush=True,
     )
+  ratios = [kfac / sgd for sgd, kfac in times]
   sgd, kfac = (statistics.median(t) for t in zip(*times))
   spread = (
     f", quartiles {' to '.join(f'{q:.2f}x' for q in statistics.quantiles(ratios)[::2])}"
