@@ -330,29 +330,36 @@ def _dims(text: str) -> list[int]:
   return [int(d) for d in text.split(",") if d]
 
 
+def _lapack_call_flops(line: str) -> float:
+  """Flops of one instruction if it is a LAPACK custom call, else 0."""
+  target = _LAPACK.search(line)
+  if target is None:
+    return 0.0
+  operand = re.search(r"custom-call\((?:[a-z0-9]+)\[([\d,]+)\]", line)
+  if operand is None:
+    operand = re.search(r"= \(?\w+\[([\d,]+)\]", line)
+  dims = _dims(operand.group(1))
+  r, c, batch = dims[-2], dims[-1], int(np.prod(dims[:-2]))
+  if "trsm" in target.group(1):
+    return batch * r * c * max(r, c)
+  return batch * (1.0 / 3.0 if "potrf" in target.group(1) else 9.0) * c**3
+
+
 def lapack_flops(hlo: str) -> float:
   """Flops of the LAPACK custom calls in an HLO text, which XLA's cost analysis does not count.
 
   ``9 n^3`` per eigh and ``n^3 / 3`` per Cholesky of an ``n x n`` matrix;
   ``r c max(r, c)`` per triangular solve with an ``r x c`` result (``n^2 m``
   for ``m`` right-hand sides of an ``n x n`` triangle: exact when square, more
-  otherwise).
+  otherwise). A call in a loop counts once per trip (`_runs`).
   """
-  total = 0.0
-  for line in hlo.splitlines():
-    target = _LAPACK.search(line)
-    if target is None:
-      continue
-    operand = re.search(r"custom-call\((?:[a-z0-9]+)\[([\d,]+)\]", line)
-    if operand is None:
-      operand = re.search(r"= \(?\w+\[([\d,]+)\]", line)
-    dims = _dims(operand.group(1))
-    r, c, batch = dims[-2], dims[-1], int(np.prod(dims[:-2]))
-    if "trsm" in target.group(1):
-      total += batch * r * c * max(r, c)
-    else:
-      total += batch * (1.0 / 3.0 if "potrf" in target.group(1) else 9.0) * c**3
-  return total
+  computations, entry = _computations(hlo)
+  runs = _runs(computations, entry)
+  return sum(
+    runs.get(name, 1.0) * _lapack_call_flops(line)
+    for name, lines in computations.items()
+    for line in lines
+  )
 
 
 _COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{$")
@@ -361,6 +368,7 @@ _NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast"
 _CALLED = re.compile(
   r"(?:branch_computations=\{([^}]*)\}|(?:true|false)_computation=%?([\w.\-]+)|body=%?([\w.\-]+))"
 )
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 
 def _computations(hlo: str) -> tuple[dict[str, list[str]], str | None]:
@@ -389,13 +397,42 @@ def _branches(line: str) -> list[str]:
   return called
 
 
+def _trips(line: str) -> int:
+  """How many times a loop instruction runs its body: XLA's known trip count, else once."""
+  found = _TRIP_COUNT.search(line)
+  return int(found.group(1)) if found else 1
+
+
+def _runs(computations: dict[str, list[str]], entry: str | None) -> dict[str, float]:
+  """How many times each computation reachable from the entry runs per run of the program.
+
+  A loop's body runs its trip count times per run of the loop; each branch of a
+  conditional counts as if it ran.
+  """
+  runs: dict[str, float] = {}
+
+  def visit(name: str, times: float, depth: int) -> None:
+    runs[name] = runs.get(name, 0.0) + times
+    for line in computations.get(name, ()):
+      op = _INSTRUCTION.search(line)
+      if op is not None and op.group(1) in ("conditional", "while") and depth < 16:
+        every = _trips(line) if op.group(1) == "while" else 1
+        for called in _branches(line):
+          visit(called, times * every, depth + 1)
+
+  if entry is not None:
+    visit(entry, 1.0, 0)
+  return runs
+
+
 def kernel_count(hlo: str) -> float:
   """Operations a compiled program launches, from its HLO text.
 
   Every instruction of the entry computation but parameters, constants and
   tuple plumbing counts one (a fusion is one kernel); a conditional counts its
   largest branch (as XLA's cost analysis counts its flops, as if the branch
-  always ran), a loop its body once.
+  always ran), a loop its body once per trip (once if XLA does not know the
+  trip count).
   """
   computations, entry = _computations(hlo)
 
@@ -406,7 +443,8 @@ def kernel_count(hlo: str) -> float:
       if op is None or op.group(1) in _NOT_KERNELS:
         continue
       if op.group(1) in ("conditional", "while") and depth < 16:
-        total += max((count(c, depth + 1) for c in _branches(line)), default=0.0)
+        every = _trips(line) if op.group(1) == "while" else 1
+        total += every * max((count(c, depth + 1) for c in _branches(line)), default=0.0)
       else:
         total += 1.0
     return total
@@ -419,14 +457,36 @@ _OPERANDS = re.compile(r"\s(dot|convolution)\(%?([\w.\-]+),\s*%?([\w.\-]+)\)")
 _FUSED = re.compile(r"\bcalls=%?([\w.\-]+)")
 
 
+def _product_flops(line: str, shapes: dict[str, list[int]]) -> float | None:
+  """The flops of a ``dot`` or ``convolution`` instruction (``None`` for any other)."""
+  operands, defined = _OPERANDS.search(line), _DEFINED.match(line)
+  if operands is None or defined is None:
+    return None
+  result = math.prod(_dims(defined.group(2)))
+  lhs, rhs = shapes.get(operands.group(2)), shapes.get(operands.group(3))
+  if lhs is None or rhs is None:
+    return None
+  if operands.group(1) == "dot":
+    contracted = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
+    k = math.prod(lhs[i] for i in _dims(contracted.group(1))) if contracted else 1
+    return 2.0 * result * k
+  labels = re.search(r"dim_labels=\w+_(\w+)->", line)
+  features = rhs[labels.group(1).index("o")] if labels else 1
+  return 2.0 * result * math.prod(rhs) / max(features, 1)
+
+
+def _shapes(lines: Sequence[str]) -> dict[str, list[int]]:
+  return {m.group(1): _dims(m.group(2)) for m in map(_DEFINED.match, lines) if m}
+
+
 def matmul_flops(hlo: str) -> list[float]:
   """The flops of each matrix product and convolution a compiled program runs, from its HLO text.
 
   ``2 * prod(result) * prod(contracted dims)`` per ``dot``, ``2 * prod(result)
   * prod(kernel) / output features`` per ``convolution``, inside fusions too;
-  a conditional counts its branch of most such flops, a loop its body once (as
-  `kernel_count`). XLA's CPU programs keep them as such; a GPU program runs
-  them as library calls (cuBLAS, cuDNN), which this does not count, so its
+  a conditional counts its branch of most such flops, a loop its body once per
+  trip (as `kernel_count`). XLA's CPU programs keep them as such; a GPU program
+  runs them as library calls (cuBLAS, cuDNN), which this does not count, so its
   flops all go at ``flops_per_s``.
   """
   computations, entry = _computations(hlo)
@@ -435,32 +495,200 @@ def matmul_flops(hlo: str) -> list[float]:
     if depth >= 16:
       return []
     lines = computations.get(name, ())
-    shapes = {m.group(1): _dims(m.group(2)) for m in map(_DEFINED.match, lines) if m}
+    shapes = _shapes(lines)
     out: list[float] = []
     for line in lines:
       op = _INSTRUCTION.search(line)
       if op is None:
         continue
       if op.group(1) in ("conditional", "while"):
-        out += max((products(c, depth + 1) for c in _branches(line)), key=sum, default=[])
+        every = _trips(line) if op.group(1) == "while" else 1
+        out += every * max((products(c, depth + 1) for c in _branches(line)), key=sum, default=[])
       elif op.group(1) == "fusion" and (fused := _FUSED.search(line)):
         out += products(fused.group(1), depth + 1)
-      elif (operands := _OPERANDS.search(line)) and (defined := _DEFINED.match(line)):
-        result = math.prod(_dims(defined.group(2)))
-        lhs, rhs = shapes.get(operands.group(2)), shapes.get(operands.group(3))
-        if lhs is None or rhs is None:
-          continue
-        if operands.group(1) == "dot":
-          contracted = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
-          k = math.prod(lhs[i] for i in _dims(contracted.group(1))) if contracted else 1
-          out.append(2.0 * result * k)
-        else:
-          labels = re.search(r"dim_labels=\w+_(\w+)->", line)
-          features = rhs[labels.group(1).index("o")] if labels else 1
-          out.append(2.0 * result * math.prod(rhs) / max(features, 1))
+      elif (flops := _product_flops(line, shapes)) is not None:
+        out.append(flops)
     return out
 
   return products(entry) if entry is not None else []
+
+
+# What XLA's cost analysis counts once per loop, whatever its trip count.
+_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|c64|c128)\[([\d,]*)\]")
+_NAME = re.compile(r"%([\w.\-]+)")
+_ELEMENTWISE = {  # XLA counts transcendental functions apart from its flops
+  "abs", "add", "and", "ceil", "clamp", "compare", "convert", "divide", "floor", "is-finite",
+  "maximum", "minimum", "multiply", "negate", "not", "or", "remainder", "round-nearest-afz",
+  "round-nearest-even", "select", "sign", "subtract", "xor",
+}  # fmt: skip
+_SLICES = {"slice", "dynamic-slice"}
+
+
+class _Instruction(NamedTuple):
+  name: str
+  op: str
+  result: str
+  operands: list[str]
+  root: bool
+  line: str
+
+
+def _instruction(line: str) -> _Instruction | None:
+  """An instruction line's name, opcode, result type and operands."""
+  op = _INSTRUCTION.search(line)
+  if op is None:
+    return None
+  name, rest = line.split("=", 1)
+  start = rest.index(f" {op.group(1)}(") + len(op.group(1)) + 2
+  depth, end = 1, start
+  while depth and end < len(rest):
+    depth += {"(": 1, ")": -1}.get(rest[end], 0)
+    end += 1
+  root = name.strip().startswith("ROOT")
+  name = name.strip().removeprefix("ROOT").strip().lstrip("%")
+  result = rest[: start - len(op.group(1)) - 2]
+  return _Instruction(name, op.group(1), result, _NAME.findall(rest[start:end]), root, line)
+
+
+def _array_bytes(text: str) -> float:
+  """Bytes of the arrays an HLO type names (a tuple's summed)."""
+  total = 0.0
+  for dtype, dims in _ARRAY.findall(text):
+    bits = 8 if dtype == "pred" else int(dtype.lstrip("sufbc"))
+    total += math.prod(_dims(dims)) * bits / 8
+  return total
+
+
+def _elements(text: str) -> float:
+  return float(sum(math.prod(_dims(dims)) for _, dims in _ARRAY.findall(text)))
+
+
+def _fusion_bytes(
+  computations: dict[str, list[str]], fused: str
+) -> tuple[list[float | None], float | None]:
+  """Per operand of a fusion, the bytes it reads of it (``None``: all); the bytes it writes.
+
+  A fused parameter that is only sliced is read as much as its slices hold; a
+  fusion that updates a slice of a buffer in place (a ``dynamic-update-slice``
+  at its root) writes that slice and reads nothing else of the buffer.
+  """
+  instructions = [i for i in map(_instruction, computations.get(fused, ())) if i is not None]
+  by_name = {i.name: i for i in instructions}
+  params = {
+    int(re.search(r"parameter\((\d+)\)", i.line).group(1)): i.name
+    for i in instructions
+    if i.op == "parameter"
+  }
+  buffer, written = None, None
+  root = next((i for i in instructions if i.root), None)
+  while root is not None and root.op == "bitcast" and root.operands[0] in by_name:
+    root = by_name[root.operands[0]]
+  if root is not None and root.op == "dynamic-update-slice" and len(root.operands) > 1:
+    buffer = root.operands[0]
+    while buffer in by_name and by_name[buffer].op == "bitcast":
+      buffer = by_name[buffer].operands[0]
+    if root.operands[1] in by_name:
+      written = _array_bytes(by_name[root.operands[1]].result)
+  reads: list[float | None] = []
+  for index in range(max(params, default=-1) + 1):
+    param = params.get(index)
+    users = [i for i in instructions if param in i.operands]
+    if param == buffer:
+      reads.append(0.0)
+    elif users and all(u.op in _SLICES and u.operands[0] == param for u in users):
+      reads.append(sum(_array_bytes(u.result) for u in users))
+    else:
+      reads.append(None)
+  return reads, written
+
+
+def _xla_cost(computations: dict[str, list[str]], name: str, depth: int = 0) -> tuple[float, float]:
+  """Flops and bytes of one run of a computation, counted as XLA's cost analysis counts them.
+
+  Flops: products as `matmul_flops`, one per element an elementwise operation
+  writes and per element a reduction reads, inside fusions too. Bytes: every
+  instruction but parameters, constants, tuple plumbing and custom calls reads
+  its operands and writes its result; a slice reads what it returns; an
+  in-place update of a slice reads and writes that slice (`_fusion_bytes`). A
+  nested loop's body counts once and a conditional's larger branch.
+  """
+  if depth >= 16:
+    return 0.0, 0.0
+  lines = computations.get(name, ())
+  shapes, elements, sizes = _shapes(lines), {}, {}
+  flops = bytes_ = 0.0
+  for line in lines:
+    ins = _instruction(line)
+    if ins is None:
+      continue
+    elements[ins.name], sizes[ins.name] = _elements(ins.result), _array_bytes(ins.result)
+    if ins.op in ("conditional", "while"):
+      branches = [_xla_cost(computations, c, depth + 1) for c in _branches(line)]
+      flops += max((f for f, _ in branches), default=0.0)
+      bytes_ += max((b for _, b in branches), default=0.0)
+      continue
+    fused = _FUSED.search(line) if ins.op == "fusion" else None
+    if ins.op in _ELEMENTWISE:
+      flops += elements[ins.name]
+    elif ins.op in ("reduce", "reduce-window") and ins.operands:
+      flops += elements.get(ins.operands[0], 0.0)
+    elif fused is not None:
+      flops += _xla_cost(computations, fused.group(1), depth + 1)[0]
+    elif (product := _product_flops(line, shapes)) is not None:
+      flops += product
+    if ins.op in _NOT_KERNELS or ins.op == "custom-call":  # XLA counts no bytes for either
+      continue
+    reads: list[float | None] = [None] * len(ins.operands)
+    written = sizes[ins.name]
+    if ins.op in _SLICES:
+      reads[0] = written
+    elif ins.op == "dynamic-update-slice" and len(ins.operands) > 1:
+      reads[0], written = 0.0, sizes.get(ins.operands[1], written)
+    elif fused is not None:
+      fusion_reads, fusion_written = _fusion_bytes(computations, fused.group(1))
+      reads = (fusion_reads + reads)[: len(ins.operands)]
+      written = written if fusion_written is None else fusion_written
+    bytes_ += written + sum(
+      sizes.get(operand, 0.0) if read is None else read
+      for operand, read in zip(ins.operands, reads, strict=True)
+    )
+  return flops, bytes_
+
+
+def _loop_shortfall(hlo: str) -> tuple[float, float]:
+  """The flops and bytes XLA's cost analysis leaves out of a program's loops.
+
+  XLA counts a loop's body once, whatever its trip count: a loop of ``n`` trips
+  adds ``n - 1`` times its body's cost (`_xla_cost`), times the trips of the
+  loops around it. A conditional counts its larger branch. (On a CPU, kaisa_jax
+  decomposes each stack of equal layers in a loop, and preconditions a stack of
+  more than `transform.LOOP_FROM` layers in one; ``nn.scan`` and ``lax.map``
+  make loops too.)
+  """
+  computations, entry = _computations(hlo)
+
+  def visit(name: str, times: float, depth: int) -> tuple[float, float]:
+    flops = bytes_ = 0.0
+    if depth >= 16:
+      return flops, bytes_
+    for line in computations.get(name, ()):
+      op = _INSTRUCTION.search(line)
+      if op is None or op.group(1) not in ("conditional", "while"):
+        continue
+      if op.group(1) == "while":
+        n, (body,) = _trips(line), _branches(line)
+        missing = times * (n - 1)
+        inner = visit(body, times * n, depth + 1)
+        body_flops, body_bytes = _xla_cost(computations, body)
+        flops += missing * body_flops + inner[0]
+        bytes_ += missing * body_bytes + inner[1]
+      else:
+        branches = [visit(c, times, depth + 1) for c in _branches(line)]
+        f, b = max(branches, default=(0.0, 0.0))
+        flops, bytes_ = flops + f, bytes_ + b
+    return flops, bytes_
+
+  return visit(entry, 1.0, 0) if entry is not None else (0.0, 0.0)
 
 
 def binned(flops: Sequence[float]) -> tuple[float, ...]:
@@ -477,10 +705,11 @@ def program_cost(compiled: Any) -> ProgramCost:
   analysis = compiled.cost_analysis()
   analysis = analysis[0] if isinstance(analysis, list) else analysis
   text = compiled.as_text()
+  flops, bytes_ = _loop_shortfall(text)
   return ProgramCost(
-    float(analysis.get("flops", 0.0)),
+    float(analysis.get("flops", 0.0)) + flops,
     lapack_flops(text),
-    float(analysis.get("bytes accessed", 0.0)),
+    float(analysis.get("bytes accessed", 0.0)) + bytes_,
     kernel_count(text),
     binned(matmul_flops(text)),
   )

@@ -21,7 +21,7 @@ from distributed_setup import build
 from sklearn.datasets import load_digits
 
 import kaisa_jax
-from kaisa_jax import accounting, projection
+from kaisa_jax import accounting, projection, transform
 
 
 class TwoDense(nn.Module):
@@ -265,6 +265,116 @@ def test_program_cost_counts_the_triangular_solves_of_a_cholesky_inverse():
   cost = projection.cost_of(f, jnp.ones((8, 8)))
   # One 8x8 Cholesky (n^3 / 3) and one solve for 8 right-hand sides (n^2 m).
   assert cost.lapack_flops == pytest.approx(8**3 / 3 + 8**3)
+
+
+def _members_in_place(loop: bool):
+  """Twelve members' products written into one buffer at runtime offsets: in a loop of three
+  turns of four members, or unrolled; the same operations for every member either way."""
+
+  def member(buffer, x, w, at):
+    y = jnp.tanh(jax.lax.dynamic_index_in_dim(x, at, keepdims=False) @ w)
+    return jax.lax.dynamic_update_index_in_dim(buffer, y, at, 0)
+
+  def f(x, w, offsets):
+    buffer = jnp.zeros((12, 16, 32))
+    if not loop:
+      for j in range(12):
+        buffer = member(buffer, x, w, offsets[j])
+      return buffer
+
+    def turn(i, buffer):
+      for lane in range(4):
+        buffer = member(buffer, x, w, 3 * offsets[lane] + i)
+      return buffer
+
+    return jax.lax.fori_loop(0, 3, turn, buffer)
+
+  return f
+
+
+def test_program_cost_counts_a_loop_body_once_per_trip():
+  """XLA's cost analysis counts a loop's body once; the cost adds the other trips."""
+  args = (jnp.ones((12, 16, 24)), jnp.ones((24, 32)), jnp.arange(12, dtype=jnp.int32))
+  looped = jax.jit(_members_in_place(True)).lower(*args).compile()
+  unrolled = jax.jit(_members_in_place(False)).lower(*args).compile()
+  assert '"known_trip_count":{"n":"3"}' in looped.as_text()
+  xla = looped.cost_analysis()
+  xla = xla[0] if isinstance(xla, list) else xla
+  one, every = projection.program_cost(looped), projection.program_cost(unrolled)
+  assert sum(every.matmuls) == 12 * 2 * 16 * 24 * 32
+  assert one.matmuls == every.matmuls
+  assert one.flops == pytest.approx(every.flops, rel=1e-3)
+  assert one.flops > 2.5 * xla["flops"]  # three trips, not one
+  assert one.bytes == pytest.approx(every.bytes, rel=0.01)
+  assert one.kernels >= every.kernels
+  # Nested loops multiply; an eigh in a loop counts once per trip.
+  nested = projection.cost_of(
+    lambda x: jax.lax.fori_loop(
+      0, 3, lambda i, y: jax.lax.fori_loop(0, 4, lambda j, z: jnp.tanh(z @ x), y), x
+    ),
+    jnp.ones((8, 8)),
+  )
+  assert sum(nested.matmuls) == 12 * 2 * 8**3
+  eighs = projection.cost_of(lambda f: jax.lax.map(jnp.linalg.eigh, f), jnp.ones((5, 6, 6)))
+  assert eighs.lapack_flops == 5 * 9 * 6**3
+
+
+def test_a_stack_preconditioned_in_a_loop_costs_what_it_does_member_by_member(monkeypatch):
+  """On the CPU a deep stack's preconditioning runs in a loop: its projected work is that of
+  the same members computed one by one (XLA's own analysis would count one turn of it)."""
+
+  class Deep(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      for _ in range(16):
+        x = nn.tanh(nn.Dense(8)(x))
+      return x
+
+  model = Deep()
+  x = jax.random.normal(jax.random.key(3), (4, 8))
+  params = model.init(jax.random.key(0), x)
+  grad_fn = kaisa_jax.value_and_grad(lambda p, x: jnp.mean(model.apply(p, x) ** 2))
+  kfac = kaisa_jax.kfac(grad_fn.layers(params, x), kl_clip=None)
+  state = kfac.init(params)
+  _, grads, curvature = grad_fn(params, x)
+  costs = {}
+  for loop_from in (64, 8):  # 16 members: one by one, then in a loop of two turns
+    monkeypatch.setattr(transform, "LOOP_FROM", loop_from)
+    costs[loop_from] = projection.kfac_work(kfac, state, grads, curvature, 10, 100)
+  apart, looped = costs[64].preconditioning, costs[8].preconditioning
+  # Per member: two products by A's basis (9 x 9, bias row in), two by G's (8 x 8).
+  assert sum(apart.matmuls) == 16 * 2 * (2 * 9 * 9 * 8 + 2 * 9 * 8 * 8)
+  assert looped.matmuls == apart.matmuls
+  assert looped.flops == pytest.approx(apart.flops, rel=0.01)
+  assert looped.bytes == pytest.approx(apart.bytes, rel=0.02)
+
+
+def test_loop_corrections_count_as_xla_counts():
+  """A loop body's flops and bytes are counted by XLA's rules: on whole programs without
+  loops (a gradient, eigendecompositions, a K-FAC step) the counts are XLA's cost analysis."""
+  model = TwoDense()
+  x = jnp.ones((32, 6))
+  params = model.init(jax.random.key(1), x)
+  grad_fn = kaisa_jax.value_and_grad(lambda p, x: jnp.mean(model.apply(p, x) ** 2))
+  tx = optax.chain(kaisa_jax.kfac(grad_fn.layers(params, x), kl_clip=None), optax.sgd(0.1))
+
+  def kfac_step(params, opt_state):
+    _, grads, curvature = grad_fn(params, x)
+    return tx.update(grads, opt_state, params, curvature=curvature)
+
+  programs = [
+    (jax.grad(lambda p: jnp.mean(model.apply(p, x) ** 2)), (params,)),
+    (lambda f: [jnp.linalg.eigh(f[i]) for i in range(3)], (jnp.ones((3, 32, 32)),)),
+    (kfac_step, (params, tx.init(params))),
+  ]
+  for fn, args in programs:
+    compiled = jax.jit(fn).lower(*args).compile()
+    assert " while(" not in compiled.as_text()
+    xla = compiled.cost_analysis()
+    xla = xla[0] if isinstance(xla, list) else xla
+    flops, bytes_ = projection._xla_cost(*projection._computations(compiled.as_text()))
+    assert flops == pytest.approx(xla["flops"], rel=0.01)
+    assert bytes_ == pytest.approx(xla["bytes accessed"], rel=0.01)
 
 
 def test_host_rates_are_the_probes_costs_over_their_seconds():
