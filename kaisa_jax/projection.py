@@ -398,7 +398,8 @@ def _branches(line: str) -> list[str]:
 
 
 def _trips(line: str) -> int:
-  """How many times a loop instruction runs its body: XLA's known trip count, else once."""
+  """How many times a control-flow instruction runs what it calls: a loop's known trip count;
+  once for a conditional or a loop whose trip count XLA does not know."""
   found = _TRIP_COUNT.search(line)
   return int(found.group(1)) if found else 1
 
@@ -416,9 +417,8 @@ def _runs(computations: dict[str, list[str]], entry: str | None) -> dict[str, fl
     for line in computations.get(name, ()):
       op = _INSTRUCTION.search(line)
       if op is not None and op.group(1) in ("conditional", "while") and depth < 16:
-        every = _trips(line) if op.group(1) == "while" else 1
         for called in _branches(line):
-          visit(called, times * every, depth + 1)
+          visit(called, times * _trips(line), depth + 1)
 
   if entry is not None:
     visit(entry, 1.0, 0)
@@ -443,8 +443,7 @@ def kernel_count(hlo: str) -> float:
       if op is None or op.group(1) in _NOT_KERNELS:
         continue
       if op.group(1) in ("conditional", "while") and depth < 16:
-        every = _trips(line) if op.group(1) == "while" else 1
-        total += every * max((count(c, depth + 1) for c in _branches(line)), default=0.0)
+        total += _trips(line) * max((count(c, depth + 1) for c in _branches(line)), default=0.0)
       else:
         total += 1.0
     return total
@@ -502,8 +501,9 @@ def matmul_flops(hlo: str) -> list[float]:
       if op is None:
         continue
       if op.group(1) in ("conditional", "while"):
-        every = _trips(line) if op.group(1) == "while" else 1
-        out += every * max((products(c, depth + 1) for c in _branches(line)), key=sum, default=[])
+        out += _trips(line) * max(
+          (products(c, depth + 1) for c in _branches(line)), key=sum, default=[]
+        )
       elif op.group(1) == "fusion" and (fused := _FUSED.search(line)):
         out += products(fused.group(1), depth + 1)
       elif (flops := _product_flops(line, shapes)) is not None:

@@ -1,4 +1,4 @@
-"""Shared helpers: one K-FAC update of a loss, in float64 where asked."""
+"""Shared helpers: one K-FAC update of a loss, in float64 where asked; a stack of equal layers."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 import kaisa_jax
 
@@ -39,6 +41,27 @@ def one_update(loss_fn, params, *args, **kfac_kwargs):
   _, grads, curvature = jax.jit(grad_fn)(params, *args)
   updates, state = jax.jit(tx.update)(grads, state, params, curvature=curvature)
   return grads, curvature, tx, state, updates
+
+
+class DenseStack(nn.Module):
+  """``depth`` equal ``Dense(8)`` layers with tanh: one stack of equal layers."""
+
+  depth: int = 16
+
+  @nn.compact
+  def __call__(self, x):
+    for _ in range(self.depth):
+      x = nn.tanh(nn.Dense(8)(x))
+    return x
+
+
+def dense_stack(depth: int = 16):
+  """Returns ``(kfac, params, grad_fn, x)`` for a `DenseStack` (no KL clip: no sum over layers)."""
+  model = DenseStack(depth)
+  x = jax.random.normal(jax.random.key(3), (4, 8))
+  params = model.init(jax.random.key(0), x)
+  grad_fn = kaisa_jax.value_and_grad(lambda p, x: jnp.mean(model.apply(p, x) ** 2))
+  return kaisa_jax.kfac(grad_fn.layers(params, x), kl_clip=None), params, grad_fn, x
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import dense_stack
 from distributed_setup import build
 from sklearn.datasets import load_digits
 
@@ -323,18 +324,7 @@ def test_a_stack_preconditioned_in_a_loop_costs_what_it_does_member_by_member(mo
   """On the CPU a deep stack's preconditioning runs in a loop: its projected work is that of
   the same members computed one by one (XLA's own analysis would count one turn of it)."""
 
-  class Deep(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-      for _ in range(16):
-        x = nn.tanh(nn.Dense(8)(x))
-      return x
-
-  model = Deep()
-  x = jax.random.normal(jax.random.key(3), (4, 8))
-  params = model.init(jax.random.key(0), x)
-  grad_fn = kaisa_jax.value_and_grad(lambda p, x: jnp.mean(model.apply(p, x) ** 2))
-  kfac = kaisa_jax.kfac(grad_fn.layers(params, x), kl_clip=None)
+  kfac, params, grad_fn, x = dense_stack(16)
   state = kfac.init(params)
   _, grads, curvature = grad_fn(params, x)
   costs = {}

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import dense_stack
 
 import kaisa_jax
 from kaisa_jax import assignment, cost, preconditioning, transform
@@ -201,23 +202,9 @@ def test_with_the_kl_clip_stacks_agree_to_float32_rounding(monkeypatch):
     np.testing.assert_allclose(p, q, rtol=1e-5, atol=1e-6)
 
 
-class Deep(nn.Module):
-  depth: int = 16
-
-  @nn.compact
-  def __call__(self, x):
-    for _ in range(self.depth):
-      x = nn.tanh(nn.Dense(8)(x))
-    return x
-
-
 def _deep(depth: int = 16):
   """A kfac for ``depth`` equal layers (one stack) and its update on one batch."""
-  model = Deep(depth)
-  x = jax.random.normal(jax.random.key(3), (4, 8))
-  params = model.init(jax.random.key(0), x)
-  grad_fn = kaisa_jax.value_and_grad(lambda p, x: jnp.mean(model.apply(p, x) ** 2))
-  kfac = kaisa_jax.kfac(grad_fn.layers(params, x), kl_clip=None)  # no sum over the layers
+  kfac, params, grad_fn, x = dense_stack(depth)
 
   def step(params, state):
     _, grads, curvature = grad_fn(params, x)
