@@ -5,16 +5,36 @@ gradient as a matrix ``V`` of shape ``(a_dim, g_dim)``:
 
 * ``"eigen"``: ``A = Qa diag(da) Qa^T``, ``G = Qg diag(dg) Qg^T`` and
 
-    ``P = Qa [ (Qa^T V Qg) / (da dg^T + damping) ] Qg^T``,
+    ``P = Qa [ (Qa^T V Qg) / D ] Qg^T``,
 
-  which is exactly ``(A (x) G + damping I)^-1 vec(V)``. The damping enters at
-  every step, so a damping schedule acts between decompositions too.
-* ``"inverse"``: ``P = (A + damping I)^-1 V (G + damping I)^-1``. This damps
-  each factor separately, a different (stronger) regulariser than the eigen
-  method's for the same ``damping``; the damping is applied when the inverses
-  are computed. If the Cholesky factorisation fails (a factor singular up to
-  rounding at a tiny damping), it is retried once with the damping raised by
-  ``eps * d * max(diag)``.
+  with ``D`` the eigenvalues of the damped Kronecker product (below): with
+  KAISA's damping ``D = da dg^T + damping``, which is exactly
+  ``(A (x) G + damping I)^-1 vec(V)``. The damping enters at every step, so a
+  damping schedule acts between decompositions too.
+* ``"inverse"``: ``P = (A + sa I)^-1 V (G + sg I)^-1``, each factor damped
+  separately by its share ``sa``, ``sg`` of the damping (below); applied when
+  the inverses are computed. If the Cholesky factorisation fails (a factor
+  singular up to rounding at a tiny damping), it is retried once with the
+  damping raised by ``eps * d * max(diag)``.
+
+The damping's form (``damping_form``), with ``mA = tr(A) / a_dim`` and
+``mG = tr(G) / g_dim`` the factors' mean eigenvalues (a factor whose mean is 0
+counts as 1) and ``lambda`` the ``damping`` hyperparameter:
+
+* ``"relative"``: damping relative to the layer's curvature scale. Eigen:
+  ``D = da dg^T + lambda mA mG``, i.e. ``(A (x) G + lambda mA mG I)^-1``;
+  inverse: ``sa = sqrt(lambda) mA``, ``sg = sqrt(lambda) mG``. Scaling a
+  layer's ``A`` or ``G`` by ``c`` scales its preconditioned gradient by
+  ``1 / c``, as the undamped inverse does, so one ``lambda`` means the same on
+  every layer and model.
+* ``"pi"``: factored Tikhonov damping with the pi-correction (Martens and
+  Grosse 2015, section 6.3), ``(A + pi sqrt(lambda) I) (x) (G + sqrt(lambda) /
+  pi I)`` with ``pi = sqrt(mA / mG)``. Eigen:
+  ``D = (da + pi sqrt(lambda)) (dg + sqrt(lambda) / pi)^T``; inverse:
+  ``sa = pi sqrt(lambda)``, ``sg = sqrt(lambda) / pi``.
+* ``"kaisa"``: the absolute damping of the KAISA reference. Eigen:
+  ``D = da dg^T + lambda``; inverse: ``sa = sg = lambda`` (a different, stronger
+  regulariser than the eigen method's for the same ``lambda``).
 
 A side may be kept diagonal (its factor is then a vector of the diagonal):
 its basis is the identity and its eigenvalues are the diagonal itself.
@@ -36,6 +56,11 @@ HIGHEST = jax.lax.Precision.HIGHEST
 EIGEN = "eigen"
 INVERSE = "inverse"
 METHODS = (EIGEN, INVERSE)
+
+KAISA = "kaisa"
+PI = "pi"
+RELATIVE = "relative"
+DAMPING_FORMS = (RELATIVE, PI, KAISA)
 
 
 class Decomposition(NamedTuple):
@@ -79,6 +104,48 @@ def _each_matrix(fn: Any, x: Array) -> Any:
   return jax.tree.map(lambda y: y.reshape(*batch, *y.shape[1:]), out)
 
 
+def _scale(mean: Array) -> Array:
+  """A factor's mean eigenvalue as a scale: 1 where it is 0 (a factor with no curvature)."""
+  return jnp.where(mean > 0, mean, jnp.ones_like(mean))
+
+
+def factor_mean(factor: Array, diagonal: bool) -> Array:
+  """``tr(F) / d`` of each matrix of a stack of factors (``(..., d, d)``, or ``(..., d)`` if diagonal)."""
+  return jnp.mean(factor if diagonal else jnp.diagonal(factor, axis1=-2, axis2=-1), axis=-1)
+
+
+def side_damping(form: str, damping: Array, mean_a: Array, mean_g: Array) -> tuple[Array, Array]:
+  """``(sa, sg)``: the shares of the damping that the inverse method adds to ``A`` and ``G``.
+
+  ``mean_a`` and ``mean_g`` are the factors' mean eigenvalues (`factor_mean`),
+  batched alike; see the module docstring for each form.
+  """
+  if form == KAISA:
+    return damping, damping
+  mean_a, mean_g = _scale(mean_a), _scale(mean_g)
+  root = jnp.sqrt(damping)
+  if form == RELATIVE:
+    return root * mean_a, root * mean_g
+  pi = jnp.sqrt(mean_a / mean_g)
+  return root * pi, root / pi
+
+
+def damped_eigenvalues(da: Array, dg: Array, damping: Array, form: str) -> Array:
+  """``D``, ``(..., a_dim, g_dim)``: the eigenvalues of the damped ``A (x) G`` (eigen method).
+
+  ``da`` and ``dg`` are the eigenvalues of ``A`` and ``G``, ``(..., a_dim)`` and
+  ``(..., g_dim)``; see the module docstring for each form.
+  """
+  if form == KAISA:
+    return da[..., :, None] * dg[..., None, :] + damping
+  mean_a, mean_g = jnp.mean(da, axis=-1), jnp.mean(dg, axis=-1)
+  if form == RELATIVE:
+    shift = damping * _scale(mean_a) * _scale(mean_g)
+    return da[..., :, None] * dg[..., None, :] + shift[..., None, None]
+  sa, sg = side_damping(form, damping, mean_a, mean_g)
+  return (da + sa[..., None])[..., :, None] * (dg + sg[..., None])[..., None, :]
+
+
 def finite_per_member(x: Array) -> Array:
   """``(k,)``: whether each entry of a stack's leading axis is finite throughout."""
   return jnp.all(jnp.isfinite(x).reshape(x.shape[0], -1), axis=1)
@@ -87,12 +154,16 @@ def finite_per_member(x: Array) -> Array:
 def decompose(factor: Array, method: str, diagonal: bool, damping: Array) -> Decomposition:
   """Decomposes a stack of factors, ``(k, ..., d, d)`` (``(k, ..., d)`` if diagonal).
 
-  Every matrix is decomposed on its own; the Cholesky retry below is decided
-  and sized per entry of the leading axis (one layer), so a member's result does
-  not depend on the others.
+  ``damping`` is what the inverse method adds to this factor (its share, see
+  `side_damping`): a scalar, or one value per matrix (``factor``'s batch
+  shape); the eigen method ignores it. Every matrix is decomposed on its own;
+  the Cholesky retry below is decided and sized per entry of the leading axis
+  (one layer), so a member's result does not depend on the others.
   """
   dtype = decomposition_dtype(factor.dtype)
   factor = factor.astype(dtype)
+  damping = jnp.asarray(damping, dtype)
+  damping = damping.reshape(*damping.shape, *[1] * min(damping.ndim, 1 if diagonal else 2))
   if diagonal:
     values = jnp.maximum(factor, 0.0)
     return Decomposition(None, values if method == EIGEN else 1.0 / (values + damping))
@@ -140,11 +211,15 @@ def _rotate_out(v: Array, a: Decomposition, g: Decomposition) -> Array:
 
 
 def precondition(
-  v: Array, a: Decomposition, g: Decomposition, method: str, damping: Array
+  v: Array, a: Decomposition, g: Decomposition, method: str, damping: Array, form: str = KAISA
 ) -> Array:
-  """Preconditioned gradients, ``v`` of shape ``(..., a_dim, g_dim)`` batched like the factors."""
+  """Preconditioned gradients, ``v`` of shape ``(..., a_dim, g_dim)`` batched like the factors.
+
+  ``damping`` and ``form`` enter the eigen method here (`damped_eigenvalues`);
+  the inverse method's decompositions are already damped.
+  """
   if method == EIGEN:
-    scale = a.values[..., :, None] * g.values[..., None, :] + damping
+    scale = damped_eigenvalues(a.values, g.values, damping, form)
     return _rotate_out(_rotate_in(v, a, g) / scale, a, g)
   if a.basis is not None:
     v = jnp.einsum("...ij,...jk->...ik", a.basis, v, precision=HIGHEST)

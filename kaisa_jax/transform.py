@@ -566,14 +566,29 @@ def update_factors(
   )
 
 
+def _inverse_damping(
+  f: LayerFactors, t: cost.Treatment, damping: Array, form: str
+) -> tuple[Array, Array]:
+  """What the inverse method adds to each of a stack's factors (the eigen method adds nothing here)."""
+  if t.method == preconditioning.EIGEN or form == preconditioning.KAISA:
+    return damping, damping
+  means = [preconditioning.factor_mean(x, d) for x, d in zip(f, t.diagonal, strict=True)]
+  return preconditioning.side_damping(form, damping, *means)
+
+
 def decompose_factors(
-  plan: Plan, state: KFACState, damping: Array, comm: distribution.Collectives
+  plan: Plan,
+  state: KFACState,
+  damping: Array,
+  comm: distribution.Collectives,
+  form: str = preconditioning.KAISA,
 ) -> KFACState:
   """Phase 2: each device decomposes the factors it owns; its group receives them.
 
   Each stack of equal shapes is decomposed by one batched call. A decomposition
   that is not finite (a failed ``eigh`` or Cholesky) keeps the factor's previous
-  decomposition and is counted.
+  decomposition and is counted. The inverse method damps each factor here by
+  its share of the damping of ``form`` (`preconditioning.side_damping`).
   """
   layout = plan.layout
   dtype = preconditioning.decomposition_dtype(state.factors.dtype)
@@ -586,8 +601,9 @@ def decompose_factors(
       out, failures = [], jnp.zeros([], jnp.int32)
       for members, f, o in zip(stacks, new, old, strict=True):
         t = plan.layers[members[0]][1]
-        for factor, diag, last in zip(f, t.diagonal, o, strict=True):
-          arrays = _decomposition_arrays(preconditioning.decompose(factor, t.method, diag, damping))
+        shares = _inverse_damping(f, t, damping, form)
+        for factor, diag, last, share in zip(f, t.diagonal, o, shares, strict=True):
+          arrays = _decomposition_arrays(preconditioning.decompose(factor, t.method, diag, share))
           ok = jnp.stack([preconditioning.finite_per_member(x) for x in arrays]).all(axis=0)
           out += [
             jnp.where(ok.reshape(-1, *[1] * (x.ndim - 1)), x, y)
@@ -619,6 +635,7 @@ def precondition_grads(
   dtype: Any,
   comm: distribution.Collectives,
   offsets: Sequence[Array],
+  form: str = preconditioning.KAISA,
 ) -> tuple[Stacks, Array]:
   """Phase 3: the preconditioned gradient matrices, stack by stack, and ``sum <P, V>``.
 
@@ -652,7 +669,7 @@ def precondition_grads(
           v = _select(matrices, members)
 
           def fn(v, a, g, d, method=method):
-            return preconditioning.precondition(v, a, g, method, d)
+            return preconditioning.precondition(v, a, g, method, d, form)
 
           if _looped(len(members)):
 
@@ -785,6 +802,7 @@ def kfac(
   layers: Layers,
   *,
   damping: hp.ScalarOrSchedule = 1e-2,
+  damping_form: str = preconditioning.KAISA,
   factor_decay: hp.ScalarOrSchedule = 0.95,
   factor_update_steps: hp.IntOrSchedule = 10,
   inv_update_steps: hp.IntOrSchedule = 100,
@@ -818,7 +836,14 @@ def kfac(
   Args:
     layers: the model's layers, from ``grad_fn.layers(params, batch)`` where
       ``grad_fn = kaisa_jax.value_and_grad(loss_fn)``.
-    damping: Tikhonov damping ``lambda > 0`` added to the Kronecker product.
+    damping: the damping ``lambda > 0``; what it adds depends on ``damping_form``.
+    damping_form: how ``damping`` enters (`kaisa_jax.preconditioning`, with
+      ``mA``, ``mG`` each factor's mean eigenvalue): ``"relative"``
+      (``A (x) G + lambda mA mG I``: the same ``lambda`` means the same on
+      every layer and model), ``"pi"`` (factored Tikhonov with the
+      pi-correction, ``(A + pi sqrt(lambda) I) (x) (G + sqrt(lambda) / pi I)``,
+      ``pi = sqrt(mA / mG)``) or ``"kaisa"`` (the KAISA reference's absolute
+      ``A (x) G + lambda I``).
     factor_decay: running-average decay of the factors, in ``[0, 1)``; 0 keeps
       only the current batch.
     factor_update_steps: update the factors every this many steps (int >= 1).
@@ -898,6 +923,10 @@ def kfac(
   if compute_method not in preconditioning.METHODS:
     raise ValueError(
       f"compute_method must be one of {preconditioning.METHODS}, got {compute_method!r}"
+    )
+  if damping_form not in preconditioning.DAMPING_FORMS:
+    raise ValueError(
+      f"damping_form must be one of {preconditioning.DAMPING_FORMS}, got {damping_form!r}"
     )
   if weight_sharing not in factors_lib.WEIGHT_SHARING:
     raise ValueError(
@@ -1011,11 +1040,11 @@ def kfac(
     every = hp.at(inv_update_steps, step, jnp.int32)
     state = jax.lax.cond(
       (step % every == 0) | state.refresh,
-      lambda: decompose_factors(plan, state, damp, comm),
+      lambda: decompose_factors(plan, state, damp, comm, damping_form),
       lambda: state,
     )
     preconditioned, vg_sum = precondition_grads(
-      plan, grads, state.decompositions, damp, dec_dtype, comm, state.stack_offsets
+      plan, grads, state.decompositions, damp, dec_dtype, comm, state.stack_offsets, damping_form
     )
     nu = in_order  # exactly 1: the product leaves every bit as it was
     if kl_clip is not None:

@@ -114,3 +114,33 @@ def gradient_matrix(
     b = np.asarray(bias_grad, np.float64).reshape(groups, 1, out)
     mats = np.concatenate([mats, b], axis=1)
   return mats
+
+
+def damped_solve(
+  a: np.ndarray, g: np.ndarray, v: np.ndarray, damping: float, form: str, method: str
+) -> np.ndarray:
+  """The preconditioned gradient under each damping form, by dense solves.
+
+  ``mA = tr(A) / a_dim`` and ``mG = tr(G) / g_dim``. Eigen method: ``"kaisa"``
+  solves ``A (x) G + damping I``, ``"relative"`` ``A (x) G + damping mA mG I``,
+  ``"pi"`` ``(A + pi sqrt(damping) I) (x) (G + sqrt(damping) / pi I)`` with
+  ``pi = sqrt(mA / mG)``. Inverse method: ``(A + sa I)^-1 V (G + sg I)^-1``
+  with ``sa = sg = damping`` (``"kaisa"``), ``sqrt(damping) mA`` and
+  ``sqrt(damping) mG`` (``"relative"``), or the pi shares.
+  """
+  ia, ig = np.eye(a.shape[0]), np.eye(g.shape[0])
+  ma, mg = np.trace(a) / a.shape[0], np.trace(g) / g.shape[0]
+  root, pi = np.sqrt(damping), np.sqrt(ma / mg)
+  if method == "inverse":
+    sa, sg = {
+      "kaisa": (damping, damping),
+      "relative": (root * ma, root * mg),
+      "pi": (root * pi, root / pi),
+    }[form]
+    return np.linalg.inv(a + sa * ia) @ v @ np.linalg.inv(g + sg * ig)
+  if form == "pi":
+    system = np.kron(a + root * pi * ia, g + root / pi * ig)
+  else:
+    shift = damping * (ma * mg if form == "relative" else 1.0)
+    system = np.kron(a, g) + shift * np.eye(a.shape[0] * g.shape[0])
+  return np.linalg.solve(system, v.reshape(-1)).reshape(v.shape)
