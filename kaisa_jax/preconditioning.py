@@ -21,17 +21,21 @@ The damping's form (``damping_form``), with ``mA = tr(A) / a_dim`` and
 ``mG = tr(G) / g_dim`` the factors' mean eigenvalues (a factor whose mean is 0
 counts as 1) and ``lambda`` the ``damping`` hyperparameter:
 
-* ``"relative"``: damping relative to the layer's curvature scale. Eigen:
-  ``D = da dg^T + lambda mA mG``, i.e. ``(A (x) G + lambda mA mG I)^-1``;
-  inverse: ``sa = sqrt(lambda) mA``, ``sg = sqrt(lambda) mG``. Scaling a
-  layer's ``A`` or ``G`` by ``c`` scales its preconditioned gradient by
-  ``1 / c``, as the undamped inverse does, so one ``lambda`` means the same on
-  every layer and model.
+* ``"relative"``: each factor damped relative to its own scale,
+  ``(A + sqrt(lambda) mA I) (x) (G + sqrt(lambda) mG I)``. Eigen:
+  ``D = (da + sqrt(lambda) mA) (dg + sqrt(lambda) mG)^T``; inverse:
+  ``sa = sqrt(lambda) mA``, ``sg = sqrt(lambda) mG``. This is the pi-corrected
+  form below with the damping measured in units of the layer's curvature,
+  ``lambda mA mG``: scaling a layer's ``A`` or ``G`` by ``c`` scales its
+  preconditioned gradient by ``1 / c``, as the undamped inverse does, so one
+  ``lambda`` means the same on every layer and model.
 * ``"pi"``: factored Tikhonov damping with the pi-correction (Martens and
   Grosse 2015, section 6.3), ``(A + pi sqrt(lambda) I) (x) (G + sqrt(lambda) /
   pi I)`` with ``pi = sqrt(mA / mG)``. Eigen:
   ``D = (da + pi sqrt(lambda)) (dg + sqrt(lambda) / pi)^T``; inverse:
   ``sa = pi sqrt(lambda)``, ``sg = sqrt(lambda) / pi``.
+  The two factored forms give the same preconditioner with either method, up
+  to rounding.
 * ``"kaisa"``: the absolute damping of the KAISA reference. Eigen:
   ``D = da dg^T + lambda``; inverse: ``sa = sg = lambda`` (a different, stronger
   regulariser than the eigen method's for the same ``lambda``).
@@ -138,11 +142,7 @@ def damped_eigenvalues(da: Array, dg: Array, damping: Array, form: str) -> Array
   """
   if form == KAISA:
     return da[..., :, None] * dg[..., None, :] + damping
-  mean_a, mean_g = jnp.mean(da, axis=-1), jnp.mean(dg, axis=-1)
-  if form == RELATIVE:
-    shift = damping * _scale(mean_a) * _scale(mean_g)
-    return da[..., :, None] * dg[..., None, :] + shift[..., None, None]
-  sa, sg = side_damping(form, damping, mean_a, mean_g)
+  sa, sg = side_damping(form, damping, jnp.mean(da, axis=-1), jnp.mean(dg, axis=-1))
   return (da + sa[..., None])[..., :, None] * (dg + sg[..., None])[..., None, :]
 
 

@@ -839,8 +839,9 @@ def kfac(
     damping: the damping ``lambda > 0``; what it adds depends on ``damping_form``.
     damping_form: how ``damping`` enters (`kaisa_jax.preconditioning`, with
       ``mA``, ``mG`` each factor's mean eigenvalue): ``"relative"``
-      (``A (x) G + lambda mA mG I``: the same ``lambda`` means the same on
-      every layer and model), ``"pi"`` (factored Tikhonov with the
+      (``(A + sqrt(lambda) mA I) (x) (G + sqrt(lambda) mG I)``: each factor
+      damped relative to its own scale, so the same ``lambda`` means the same
+      on every layer and model), ``"pi"`` (factored Tikhonov with the
       pi-correction, ``(A + pi sqrt(lambda) I) (x) (G + sqrt(lambda) / pi I)``,
       ``pi = sqrt(mA / mG)``) or ``"kaisa"`` (the KAISA reference's absolute
       ``A (x) G + lambda I``).

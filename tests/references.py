@@ -121,26 +121,20 @@ def damped_solve(
 ) -> np.ndarray:
   """The preconditioned gradient under each damping form, by dense solves.
 
-  ``mA = tr(A) / a_dim`` and ``mG = tr(G) / g_dim``. Eigen method: ``"kaisa"``
-  solves ``A (x) G + damping I``, ``"relative"`` ``A (x) G + damping mA mG I``,
-  ``"pi"`` ``(A + pi sqrt(damping) I) (x) (G + sqrt(damping) / pi I)`` with
-  ``pi = sqrt(mA / mG)``. Inverse method: ``(A + sa I)^-1 V (G + sg I)^-1``
-  with ``sa = sg = damping`` (``"kaisa"``), ``sqrt(damping) mA`` and
-  ``sqrt(damping) mG`` (``"relative"``), or the pi shares.
+  ``mA = tr(A) / a_dim`` and ``mG = tr(G) / g_dim``. ``"kaisa"``: eigen solves
+  ``A (x) G + damping I``, inverse ``(A + damping I)^-1 V (G + damping I)^-1``.
+  The factored forms solve ``(A + sa I) (x) (G + sg I)`` with either method:
+  ``sa, sg = sqrt(damping) mA, sqrt(damping) mG`` (``"relative"``) or
+  ``pi sqrt(damping), sqrt(damping) / pi`` with ``pi = sqrt(mA / mG)`` (``"pi"``).
   """
   ia, ig = np.eye(a.shape[0]), np.eye(g.shape[0])
   ma, mg = np.trace(a) / a.shape[0], np.trace(g) / g.shape[0]
   root, pi = np.sqrt(damping), np.sqrt(ma / mg)
-  if method == "inverse":
-    sa, sg = {
-      "kaisa": (damping, damping),
-      "relative": (root * ma, root * mg),
-      "pi": (root * pi, root / pi),
-    }[form]
-    return np.linalg.inv(a + sa * ia) @ v @ np.linalg.inv(g + sg * ig)
-  if form == "pi":
-    system = np.kron(a + root * pi * ia, g + root / pi * ig)
+  if form == "kaisa":
+    if method == "inverse":
+      return np.linalg.inv(a + damping * ia) @ v @ np.linalg.inv(g + damping * ig)
+    system = np.kron(a, g) + damping * np.eye(a.shape[0] * g.shape[0])
   else:
-    shift = damping * (ma * mg if form == "relative" else 1.0)
-    system = np.kron(a, g) + shift * np.eye(a.shape[0] * g.shape[0])
+    sa, sg = (root * ma, root * mg) if form == "relative" else (root * pi, root / pi)
+    system = np.kron(a + sa * ia, g + sg * ig)
   return np.linalg.solve(system, v.reshape(-1)).reshape(v.shape)
