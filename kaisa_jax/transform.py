@@ -857,11 +857,14 @@ def kfac(
     compute_method: ``"eigen"`` (exact damped Kronecker inverse) or
       ``"inverse"`` (``(A + damping)^-1 V (G + damping)^-1``, cheaper, a
       different regulariser for the same damping).
-    weight_sharing: how a layer whose weight is shared by several rows of one
-      example (sequence positions, pixels) counts them (Eschenhagen et al.,
-      2023): ``"expand"`` (every row is a sample) or ``"reduce"`` (each
-      example's inputs averaged and output gradients summed first); see
-      `kaisa_jax.factors`. Embedding lookups always expand.
+    weight_sharing: how a layer whose weight is used several times per
+      example counts the uses (Eschenhagen et al., 2023), the rows of one call
+      (sequence positions, pixels) and the calls of a layer applied several
+      times (a recurrent cell, a block reused in a loop) alike: ``"expand"``
+      (every use is a sample: ``A`` the mean over uses, ``G`` the sum over an
+      example's uses) or ``"reduce"`` (each example's inputs averaged and
+      output gradients summed over its uses first); see `kaisa_jax.factors`.
+      Embedding lookups always expand.
     factor_dtype: dtype of the factors (a dtype or its name); decompositions
       run in this dtype but never below float32, and results are cast back to
       the gradient dtype.

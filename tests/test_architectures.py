@@ -206,14 +206,17 @@ def test_embedding_lookup_and_tied_attend_share_factors(x64):
   np.testing.assert_allclose(logits, model.apply(params, ids), rtol=1e-12)
   g = jax.grad(lambda e: head(_tied_by_hand(params, ids, e)[0]))(eps)
   counts = np.bincount(np.asarray(ids).reshape(-1), minlength=VOCAB) / ids.size
-  # Lookup: A = token frequencies (diagonal), G from the lookup's output gradient.
-  # Attend: the weight is used transposed: A from the logits' gradient (its
-  # diagonal), G from the attend input h. The two calls are averaged.
-  g_logits = ref.output_factor(np.asarray(g["attend"]).reshape(-1, VOCAB), n=3)
+  # Every use of the weight counts alike: the vocabulary side (A, diagonal) is
+  # a mean over the 30 uses, the features side (G) a sum over an example's uses
+  # and a mean over the n = 3 examples. Lookup: token frequencies on the
+  # vocabulary side, n g on the features side. Attend uses the weight
+  # transposed: n times the logits' gradient on the vocabulary side, the input
+  # h on the features side.
+  g_logits = ref.input_factor(3.0 * np.asarray(g["attend"]).reshape(-1, VOCAB))
   a_ref = np.diag(0.5 * (counts + np.diag(g_logits)))
-  g_ref = 0.5 * (
-    ref.output_factor(np.asarray(g["lookup"]).reshape(-1, FEATURES), n=3)
-    + ref.input_factor(np.asarray(h).reshape(-1, FEATURES))
+  h_rows = np.asarray(h).reshape(-1, FEATURES)
+  g_ref = (
+    ref.output_factor(np.asarray(g["lookup"]).reshape(-1, FEATURES), n=3) + h_rows.T @ h_rows / 3
   )
   v = np.asarray(grads["params"]["Embed_0"]["embedding"])
   got = np.asarray(updates["params"]["Embed_0"]["embedding"])
