@@ -62,12 +62,15 @@ LEARNING_RATES = {"sgd": (0.01, 0.03, 0.1, 0.3), "adamw": (3e-4, 1e-3, 3e-3, 1e-
 MAX_EXTENSIONS = 3
 
 
-def train_seeds(run, problem: suite.Problem, seeds: int, lr: float, damping: float) -> list:
+def train_seeds(
+  run, problem: suite.Problem, seeds: int, lr: float, damping: float | None
+) -> list[float]:
   out = []
   for seed in range(seeds):
     params, state = problem.init(jax.random.key(seed))
     order = suite.batch_order(len(problem.train[0]), problem.batch_size, STEPS, seed)
-    losses = run(params, state, order, jnp.float32(lr), jnp.float32(damping))
+    damp = None if damping is None else jnp.float32(damping)
+    losses = run(params, state, order, jnp.float32(lr), damp)
     out.append(suite.final_loss(np.asarray(losses)))
   return out
 
@@ -84,7 +87,7 @@ def tune_baseline(problem: suite.Problem, seeds: int, log) -> dict[str, list[flo
   for _ in range(MAX_EXTENSIONS + 1):
     for lr in grid:
       if repr(lr) not in results:
-        results[repr(lr)] = train_seeds(run, problem, seeds, lr, 0.0)
+        results[repr(lr)] = train_seeds(run, problem, seeds, lr, None)
         log(f"  {problem.optimizer} lr={lr:g}: {mean(results[repr(lr)]):.4g}")
     best = min(grid, key=lambda lr: mean(results[repr(lr)]))
     if best == grid[0]:
@@ -104,7 +107,7 @@ def run_problem(name: str, seeds: int, log) -> dict[str, Any]:
   log(f"  tuned {problem.optimizer} lr={lr}: {mean(baseline[lr]):.4g}")
   kfac: dict[str, dict[str, list[float]]] = {}
   for form in FORMS:
-    run = suite.make_run(problem, form)
+    run = suite.make_run(problem, {"damping_form": form})
     kfac[form] = {}
     for damping in DAMPINGS:
       kfac[form][repr(damping)] = train_seeds(run, problem, seeds, float(lr), damping)

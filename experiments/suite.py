@@ -243,32 +243,33 @@ def batch_order(n: int, batch_size: int, steps: int, seed: int) -> np.ndarray:
   return np.concatenate(rows)[:steps]
 
 
-def make_run(problem: Problem, form: str | None):
-  """``run(params, state, order, lr, damping) -> losses``: one training run, jitted.
+def make_run(problem: Problem, kfac: dict[str, Any] | None):
+  """``run(params, state, order, lr, damping=None) -> losses``: one training run, jitted.
 
   ``order`` is ``(steps, batch_size)`` example indices (`batch_order`); the
   run is one `jax.lax.scan` over them, so its learning rate, damping and
-  initialisation change without compiling again. With ``form`` (a damping
-  form) K-FAC, with every other argument at its default, is chained before the
-  problem's first-order optimizer; ``form=None`` trains with that optimizer
-  alone (``damping`` unused). Returns the loss of every step.
+  initialisation change without compiling again. With ``kfac`` (arguments of
+  `kaisa_jax.kfac` besides ``layers``, ``lr`` and ``damping``; ``{}`` for the
+  defaults) K-FAC is chained before the problem's first-order optimizer, with
+  ``damping`` if given; ``kfac=None`` trains with that optimizer alone.
+  Returns the loss of every step.
   """
   x, y = (jnp.asarray(a) for a in problem.train)
   grad_fn = kaisa_jax.value_and_grad(problem.loss, has_aux=True, n_examples=problem.n_examples)
   layers = None
-  if form is not None:
+  if kfac is not None:
     params, state = problem.init(jax.random.key(0))
     b = problem.batch_size
     layers = grad_fn.layers(params, state, x[:b], y[:b])
 
   @jax.jit
-  def run(params, state, order, lr, damping):
+  def run(params, state, order, lr, damping=None):
     tx = first_order(problem.optimizer, lr)
     if layers is not None:
+      args = {**kfac, "lr": lr} | ({} if damping is None else {"damping": damping})
       with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # modules passed through are listed by print(layers)
-        kfac = kaisa_jax.kfac(layers, lr=lr, damping=damping, damping_form=form)
-      tx = optax.chain(kfac, tx)
+        tx = optax.chain(kaisa_jax.kfac(layers, **args), tx)
     opt_state = tx.init(params)
 
     def step(carry, idx):

@@ -1,0 +1,82 @@
+"""Models written as a new user writes them: every layer captured, and K-FAC trains them.
+
+The five digits models of the robustness suite (`experiments.suite`): a ViT, a
+GRU and an LSTM under ``nn.RNN``, a ResNet with eleven BatchNorms and a Flax
+NNX MLP. Each is traced as its loss calls it and trained a few steps with
+K-FAC at its defaults, chained with the model's first-order optimizer, against
+that optimizer alone from the same initialisation and batches.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kaisa_jax
+from experiments import suite
+
+STEPS = 40
+
+LAYERS = {
+  "vit": [
+    "Conv_0",
+    *(
+      f"MultiHeadDotProductAttention_{i}/{p}"
+      for i in (0, 1)
+      for p in ("query", "key", "value", "out")
+    ),
+    *(f"Dense_{i}" for i in range(5)),
+  ],
+  "gru": [*(f"GRUCell_0/{g}" for g in ("ir", "hr", "iz", "hz", "in", "hn")), "Dense_0"],
+  "lstm": [*(f"LSTMCell_0/{g}{s}" for s in "ifgo" for g in "ih"), "Dense_0"],
+  "resnet_bn": [
+    "Conv_0",
+    *(f"Block2D_{b}/Conv_{c}" for b, n in enumerate((2, 3, 3, 2)) for c in range(n)),
+    "Dense_0",
+  ],
+  "nnx_mlp": ["hidden", "middle", "out"],
+}
+# Modules with parameters that pass through, and the start of the reason why.
+PASSED = {
+  "vit": {**{f"LayerNorm_{i}": "normalisation layer" for i in range(5)}},
+  "gru": {},
+  "lstm": {},
+  "resnet_bn": {
+    "BatchNorm_0": "normalisation layer",
+    **{
+      f"Block2D_{b}/BatchNorm_{c}": "normalisation layer"
+      for b, n in enumerate((2, 3, 3, 2))
+      for c in range(n)
+    },
+  },
+  "nnx_mlp": {},
+}
+# The learning rate each model's first-order optimizer was tuned to in benchmarks/robustness.py.
+LR = {"vit": 3e-3, "gru": 0.3, "lstm": 0.3, "resnet_bn": 0.1, "nnx_mlp": 0.3}
+
+
+@pytest.fixture(scope="module", params=sorted(LAYERS))
+def problem(request):
+  return suite.SUITE[request.param]()
+
+
+def test_every_layer_captured(problem):
+  params, state = problem.init(jax.random.key(0))
+  x, y = (jnp.asarray(a[:8]) for a in problem.train)
+  layers = kaisa_jax.value_and_grad(problem.loss, has_aux=True).layers(params, state, x, y)
+  assert sorted(s.name for s in layers.specs) == sorted(LAYERS[problem.name])
+  passed = {s.name: s.reason for s in layers.skipped if not s.reason.startswith("a parameter")}
+  assert sorted(passed) == sorted(PASSED[problem.name])
+  for name, reason in passed.items():
+    assert reason.startswith(PASSED[problem.name][name]), (name, reason)
+
+
+def test_kfac_at_its_defaults_trains_at_least_as_well_as_the_baseline(problem):
+  params, state = problem.init(jax.random.key(0))
+  order = suite.batch_order(len(problem.train[0]), problem.batch_size, STEPS, seed=0)
+  lr = jnp.float32(LR[problem.name])
+  baseline = np.asarray(suite.make_run(problem, None)(params, state, order, lr))
+  kfac = np.asarray(suite.make_run(problem, {})(params, state, order, lr))
+  assert np.all(np.isfinite(kfac))
+  assert kfac[-10:].mean() < kfac[:5].mean()
+  assert kfac[-10:].mean() <= baseline[-10:].mean()
