@@ -25,8 +25,9 @@ the block-diagonal product (largest over smallest eigenvalue of all blocks).
 Where the eigenvalues come from, and what they cost:
 
 * eigen method: the eigenvalues stored by the latest decomposition (those
-  preconditioning uses): nothing is decomposed, a few reductions per layer
-  (on the MNIST-1D CNN 0.5 ms added to a 19 ms step);
+  preconditioning uses, up to ``inv_update_steps - 1`` steps older than the
+  factors): nothing is decomposed, a few reductions per layer (on the
+  MNIST-1D CNN 0.5 ms added to a 19 ms step);
 * inverse method, dense side: ``eigvalsh`` of the current factor, in the
   decomposition dtype: ``O(d^3)``, and in JAX a full ``eigh`` (as much as an
   eigen-method decomposition; on the MNIST-1D CNN 89 ms against an 18 ms
