@@ -129,8 +129,8 @@ def plot_curvature(runs: dict[str, list[list[dict[str, Any]]]], path: Path) -> b
       (line,) = ax.plot(steps, mean, label=f"{name}: {layer}")
       if len(seeds) > 1:
         ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.2)
-  axes[0].set_ylabel("condition number of the damped A (x) G")
-  axes[1].set_ylabel("relative damping, damping / (mean eig A x mean eig G)")
+  axes[0].set_ylabel("condition number of damped A (x) G")
+  axes[1].set_ylabel("relative damping")
   thresholds = {"negligible below": statistics.NEGLIGIBLE_DAMPING}
   thresholds["drowns above"] = statistics.DROWNING_DAMPING
   for text, value in thresholds.items():
@@ -140,7 +140,11 @@ def plot_curvature(runs: dict[str, list[list[dict[str, Any]]]], path: Path) -> b
     ax.set_yscale("log")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
-  fig.suptitle("K-FAC's worst-conditioned layer (largest condition number at the last evaluation)")
+  fig.suptitle(
+    "K-FAC's worst-conditioned layer at the last evaluation; relative damping: "
+    "damping / (mean eig A x mean eig G)",
+    fontsize="medium",
+  )
   fig.tight_layout()
   path.parent.mkdir(parents=True, exist_ok=True)
   try:
