@@ -57,10 +57,14 @@ def kfac_layers(task: Task, params: Any, state: Any) -> kaisa_jax.Layers:
   return kfac_grad_fn(task).layers(params, state, *first)
 
 
+# Significant digits of the curvature statistics in the records (plenty for a plot).
+CURVATURE_DIGITS = 4
+
+
 def finite_or_none(x: Any) -> float | None:
-  """``float(x)``, or None when it is NaN or infinite (JSON has neither)."""
+  """``x`` to `CURVATURE_DIGITS` significant digits, or None if NaN or infinite (not JSON)."""
   value = float(x)
-  return value if np.isfinite(value) else None
+  return float(f"{value:.{CURVATURE_DIGITS}g}") if np.isfinite(value) else None
 
 
 def curvature_record(stats: kaisa_jax.CurvatureStatistics) -> dict[str, Any]:
@@ -79,7 +83,7 @@ def curvature_record(stats: kaisa_jax.CurvatureStatistics) -> dict[str, Any]:
   }
   conditions = {n: v["condition"] for n, v in layers.items() if v["condition"] is not None}
   return {
-    "kl_scale": float(stats.kl_scale),
+    "kl_scale": finite_or_none(stats.kl_scale),
     "worst_layer": max(conditions, key=conditions.get) if conditions else None,
     "layers": layers,
   }
