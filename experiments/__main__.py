@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments import files, optimizers, scale, tasks
-from experiments.plots import plot_runs
+from experiments.plots import plot_curvature, plot_runs
 from experiments.report import markdown_table, summary_table
 from experiments.sweep import sweep
 from experiments.train import train
@@ -557,13 +557,20 @@ def settings_source(runs: Runs) -> str:
 
 
 def write_outputs(task: tasks.Task, runs: Runs, out: Path, mode: str) -> None:
-  """The figure, and in compare and table modes ``table.md``; prints the table."""
+  """The figures, and in compare and table modes ``table.md``; prints the table.
+
+  Beside the loss and metric figure, K-FAC runs with curvature statistics get
+  ``curvature.png`` (``OPTIMIZER-curvature.png`` in run mode), `plot_curvature`.
+  """
   names = list(runs)
   figure = out / (f"{names[0]}.png" if mode == "run" else "compare.png")
   plot_runs(runs, task.metric_name, task.target, figure, task.higher_is_better)
+  curvature = out / (f"{names[0]}-curvature.png" if mode == "run" else "curvature.png")
   table = markdown_table(task, runs, settings_source(runs))
   print(table)
   written = f"results: {out}/*.jsonl, figure: {figure}"
+  if plot_curvature(runs, curvature):
+    written += f", K-FAC's worst-conditioned layer: {curvature}"
   if mode != "run":
     files.write_text(out / "table.md", table)
     written += f", table: {out}/table.md"

@@ -105,6 +105,11 @@ def choose(name: str, best: dict[str, dict[str, Any]]) -> tuple[Optimizer, str]:
   return DEFAULTS[name], "default"
 
 
+def kfac_transform(opt: Optimizer, steps: int, layers: kaisa_jax.Layers) -> kaisa_jax.KFAC:
+  """The K-FAC part of a K-FAC optimizer, as `build` makes it (its plan and damping)."""
+  return kaisa_jax.kfac(layers, lr=optax.cosine_decay_schedule(opt.lr, steps), **opt.kfac)
+
+
 def build(
   opt: Optimizer, steps: int, layers: kaisa_jax.Layers | None
 ) -> optax.GradientTransformationExtraArgs:
@@ -119,7 +124,7 @@ def build(
     tx = first_order[opt.name]()
   elif is_kfac(opt.name):
     then = first_order[KFAC_THEN[opt.name]]()
-    tx = optax.chain(kaisa_jax.kfac(layers, lr=schedule, **opt.kfac), then)
+    tx = optax.chain(kfac_transform(opt, steps, layers), then)
   else:
     raise ValueError(f"unknown optimizer {opt.name!r}; choose from {sorted(DEFAULTS)}")
   return optax.apply_if_finite(tx, MAX_NONFINITE_STEPS)

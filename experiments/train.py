@@ -8,6 +8,7 @@ import json
 import platform
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from tqdm.auto import tqdm
 
 import kaisa_jax
 from experiments.files import atomic_open
-from experiments.optimizers import Optimizer, build, is_kfac
+from experiments.optimizers import Optimizer, build, is_kfac, kfac_transform
 from experiments.tasks import Task
 
 
@@ -45,6 +46,49 @@ def batches(n: int, batch_size: int, seed: int) -> Iterator[np.ndarray]:
 TRAIN_LOSS_EXAMPLES = 4096
 
 
+def kfac_grad_fn(task: Task) -> kaisa_jax.ValueAndGrad:
+  """The task's loss under `kaisa_jax.value_and_grad` (its curvature comes with the gradient)."""
+  return kaisa_jax.value_and_grad(task.loss, has_aux=True, n_examples=task.n_examples())
+
+
+def kfac_layers(task: Task, params: Any, state: Any) -> kaisa_jax.Layers:
+  """The task's layers, traced on the first batch of its training set."""
+  first = tuple(jnp.asarray(a[: task.batch_size]) for a in task.train)
+  return kfac_grad_fn(task).layers(params, state, *first)
+
+
+# Significant digits of the curvature statistics in the records (plenty for a plot).
+CURVATURE_DIGITS = 4
+
+
+def finite_or_none(x: Any) -> float | None:
+  """``x`` to `CURVATURE_DIGITS` significant digits, or None if NaN or infinite (not JSON)."""
+  value = float(x)
+  return float(f"{value:.{CURVATURE_DIGITS}g}") if np.isfinite(value) else None
+
+
+def curvature_record(stats: kaisa_jax.CurvatureStatistics) -> dict[str, Any]:
+  """K-FAC's curvature statistics as a record's ``curvature`` entry.
+
+  ``kl_scale`` (the KL clip's scale of the last step), ``worst_layer`` (the
+  largest condition number) and, per layer, ``condition`` and
+  ``relative_damping`` (None while there is no curvature yet).
+  """
+  layers = {
+    name: {
+      "condition": finite_or_none(s.condition),
+      "relative_damping": finite_or_none(s.relative_damping),
+    }
+    for name, s in stats.layers.items()
+  }
+  conditions = {n: v["condition"] for n, v in layers.items() if v["condition"] is not None}
+  return {
+    "kl_scale": finite_or_none(stats.kl_scale),
+    "worst_layer": max(conditions, key=conditions.get) if conditions else None,
+    "layers": layers,
+  }
+
+
 def make_step(
   task: Task,
   opt: Optimizer,
@@ -68,10 +112,9 @@ def make_step(
       return loss, state, grads, {}
 
   else:
-    grad_fn = kaisa_jax.value_and_grad(task.loss, has_aux=True, n_examples=task.n_examples())
+    grad_fn = kfac_grad_fn(task)
     if layers is None:
-      first = tuple(jnp.asarray(a[: task.batch_size]) for a in task.train)
-      layers = grad_fn.layers(params, state, *first)
+      layers = kfac_layers(task, params, state)
     tx = build(opt, steps, layers)
 
     def gradients(params, state, xb, yb):
@@ -106,8 +149,9 @@ def train(
   Each record holds ``step``, ``wall_seconds`` (training steps only: compilation
   and evaluation excluded), ``train_loss`` (on the training set, or at most
   `TRAIN_LOSS_EXAMPLES` of it; evaluation mode), ``metric`` (on the held-out
-  set), K-FAC's health counters, ``config`` (task, seed, optimizer settings and
-  ``extra_config``) and ``versions``.
+  set), K-FAC's health counters and ``curvature`` (`curvature_record`;
+  `kaisa_jax.check_damping` warns from it), ``config`` (task, seed, optimizer
+  settings and ``extra_config``) and ``versions``.
   The model state (BatchNorm's ``batch_stats``) is carried from step to step.
   Raises `FloatingPointError` when the training loss becomes NaN or infinite,
   `ValueError` unless ``steps`` and ``eval_every`` are positive.
@@ -117,7 +161,13 @@ def train(
   x, y = (jnp.asarray(a) for a in task.train)
   x_test, y_test = (jnp.asarray(a) for a in task.test)
   params, state = task.init(jax.random.key(seed), x[:1])
-  tx, step = make_step(task, opt, steps, params, state)
+  curvature = None
+  if is_kfac(opt.name):
+    layers = kfac_layers(task, params, state)
+    tx, step = make_step(task, opt, steps, params, state, layers)
+    curvature = jax.jit(partial(kaisa_jax.curvature_statistics, kfac_transform(opt, steps, layers)))
+  else:
+    tx, step = make_step(task, opt, steps, params, state)
   opt_state = tx.init(params)
 
   seen = slice(None, None, -(-len(x) // TRAIN_LOSS_EXAMPLES))
@@ -150,10 +200,12 @@ def train(
     loss, metric = (float(v) for v in evaluate(params, state))
     rec = {"step": k, "wall_seconds": wall, "train_loss": loss, "metric": metric}
     rec["skipped_steps"] = int(opt_state.total_notfinite)  # non-finite gradients
-    if is_kfac(opt.name):  # K-FAC's health counters
-      kfac_state = opt_state.inner_state[0]
-      rec["skipped_factor_updates"] = int(kfac_state.skipped_factor_updates)
-      rec["failed_decompositions"] = int(kfac_state.failed_decompositions)
+    if curvature is not None:  # K-FAC's health counters and curvature
+      stats = curvature(opt_state)
+      kaisa_jax.check_damping(stats)
+      rec["skipped_factor_updates"] = int(stats.skipped_factor_updates)
+      rec["failed_decompositions"] = int(stats.failed_decompositions)
+      rec["curvature"] = curvature_record(stats)
     rec |= meta
     records.append(rec)
     if file is not None:

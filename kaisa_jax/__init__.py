@@ -13,14 +13,17 @@ Distributed: ``mesh = kaisa_jax.make_mesh("hybrid_opt")`` and
 ``kaisa_jax.kfac(layers, axis_name="batch", grad_worker_fraction=...)`` under
 ``jax.pmap``. Which fraction: ``print(kaisa_jax.plan_fractions(layers, n,
 kaisa_jax.projection.DGX_A100))``. A custom layer: ``kaisa_jax.register_layer(MyLayer, weight="w")``.
+What the preconditioner sees, per layer (eigenvalues, relative damping, condition
+number) and K-FAC's health counters: ``kaisa_jax.curvature_statistics(kfac, opt_state)``.
 """
 
-from kaisa_jax import accounting, projection
+from kaisa_jax import accounting, projection, statistics
 from kaisa_jax.capture import LayerCurvature, Layers, ValueAndGrad, value_and_grad
 from kaisa_jax.checkpointing import PortableKFACState, from_portable, to_portable
 from kaisa_jax.distribution import GRAD_WORKERS, RECEIVERS, make_mesh
 from kaisa_jax.layers import register_layer
 from kaisa_jax.planning import FractionPlan, plan_fractions
+from kaisa_jax.statistics import CurvatureStatistics, check_damping, curvature_statistics
 from kaisa_jax.transform import (
   KFAC,
   KFACState,
@@ -35,6 +38,7 @@ __all__ = [
   "GRAD_WORKERS",
   "KFAC",
   "RECEIVERS",
+  "CurvatureStatistics",
   "FractionPlan",
   "KFACState",
   "LayerCurvature",
@@ -43,6 +47,8 @@ __all__ = [
   "PortableKFACState",
   "ValueAndGrad",
   "accounting",
+  "check_damping",
+  "curvature_statistics",
   "from_portable",
   "kfac",
   "layer_decompositions",
@@ -52,6 +58,7 @@ __all__ = [
   "plan_fractions",
   "projection",
   "register_layer",
+  "statistics",
   "to_portable",
   "value_and_grad",
 ]

@@ -28,6 +28,13 @@ and device axes its kfac makes (a pmapped state whole, with its device axis),
 its dimensions and, where the treatment is the same, its decompositions' shapes.
 Orbax restores the numpy arrays of a portable target with the shapes they were
 saved with, so a checkpoint of another model reaches these checks as written.
+
+A checkpoint written before the state held ``kl_scale`` (the KL clip's scale of
+the last step) lacks it: Orbax's ``restore`` refuses it, naming ``kl_scale``.
+Restore it with ``ocp.args.PyTreeRestore(item=target, partial_restore=True)``
+(``ocp.Checkpointer(ocp.PyTreeCheckpointHandler())``): ``kl_scale`` then comes
+from the target (1, as at init) and the next step sets it; nothing else depends
+on it.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ class PortableKFACState(NamedTuple):
   factor_total: np.ndarray
   skipped_factor_updates: np.ndarray
   failed_decompositions: np.ndarray
+  kl_scale: np.ndarray
   factors: dict[str, transform.LayerFactors]
   decompositions: dict[str, transform.LayerDecompositions]
   treatments: dict[str, np.ndarray]
@@ -67,7 +75,14 @@ def _is_state(x: Any) -> bool:
 
 
 # The per-device scalars of a KFACState (pmap keeps one copy per device).
-_SCALARS = ("count", "factor_total", "skipped_factor_updates", "failed_decompositions", "refresh")
+_SCALARS = (
+  "count",
+  "factor_total",
+  "skipped_factor_updates",
+  "failed_decompositions",
+  "kl_scale",
+  "refresh",
+)
 
 
 def _unstack(plan: transform.Plan, state: transform.KFACState) -> transform.KFACState:
@@ -122,7 +137,9 @@ def _device_axes(field: str, shape: tuple[int, ...]) -> tuple[int, ...]:
   return shape if field in _SCALARS else shape[:-1]
 
 
-def _check_state(plan: transform.Plan, state: transform.KFACState) -> None:
+def _check_state(
+  plan: transform.Plan, state: transform.KFACState, caller: str = "to_portable"
+) -> None:
   """Raises unless ``state`` has the shapes of the states ``plan``'s kfac makes.
 
   The leading axes depend on the devices; the buffer sizes (the last axes) on
@@ -153,7 +170,7 @@ def _check_state(plan: transform.Plan, state: transform.KFACState) -> None:
     )
   raise ValueError(
     f"this K-FAC state was not made by this kfac (for {_runs_on(plan)}): {cause}. "
-    "Pass to_portable the kfac the state was made with"
+    f"Pass {caller} the kfac the state was made with"
   )
 
 
@@ -176,6 +193,19 @@ def _check_whole(plan: transform.Plan, state: transform.KFACState) -> None:
     )
 
 
+def global_state(
+  plan: transform.Plan, state: transform.KFACState, caller: str
+) -> transform.KFACState:
+  """``state`` in the global ``(N / W, W, ...)`` layout, after checking it is ``plan``'s.
+
+  A pmapped state with its leading device axis is unstacked; a single-device
+  state or a mesh's global state is returned as it is. Works on traced states.
+  ``caller`` is the public function named in the error when the check fails.
+  """
+  _check_state(plan, state, caller)
+  return _unstack(plan, state) if _is_replicated(plan, state) else state
+
+
 def _portable(plan: transform.Plan, state: transform.KFACState) -> PortableKFACState:
   _check_state(plan, state)
   _check_whole(plan, state)
@@ -187,6 +217,7 @@ def _portable(plan: transform.Plan, state: transform.KFACState) -> PortableKFACS
     host.factor_total,
     host.skipped_factor_updates,
     host.failed_decompositions,
+    host.kl_scale,
     transform.grouped_factors(plan, host),
     transform.grouped_decompositions(plan, host),
     {spec.name: _treatment_code(t) for spec, t in plan.layers},
@@ -338,6 +369,7 @@ def _layout_state(
     decompositions=grid(decompositions, layout.decomposition_size, dec_dtype),
     skipped_factor_updates=np.asarray(portable.skipped_factor_updates, np.int32),
     failed_decompositions=np.asarray(portable.failed_decompositions, np.int32),
+    kl_scale=np.asarray(portable.kl_scale, dec_dtype),
     refresh=np.asarray(refresh),
     stack_offsets=tuple(np.asarray(x) for x in transform.stack_offsets(plan)),
   )

@@ -67,6 +67,9 @@ class KFACState(NamedTuple):
       were not finite (NaN or Inf in the activations or output gradients).
     failed_decompositions: decompositions of one factor that failed or came
       back not finite; each kept that factor's last good decomposition.
+    kl_scale: the KL clip's scale ``nu`` of the last step (1 at init, and at
+      every step without ``kl_clip``); `kaisa_jax.curvature_statistics`
+      reports it.
     refresh: decompose at the next step whatever the cadence (set when a
       checkpoint is restored with another treatment of some layer).
     stack_offsets: ``0, 1, ..., K - 1`` (int32 scalars, ``K`` the size of the
@@ -88,6 +91,7 @@ class KFACState(NamedTuple):
   decompositions: Array
   skipped_factor_updates: Array
   failed_decompositions: Array
+  kl_scale: Array
   refresh: Array
   stack_offsets: tuple[Array, ...]
 
@@ -163,9 +167,14 @@ def _whole_batch(
 
 
 class KFAC(optax.GradientTransformationExtraArgs):
-  """The transformation returned by `kfac`; ``plan`` lists what it does per layer."""
+  """The transformation returned by `kfac`.
+
+  ``plan`` lists what it does per layer; ``damping`` is its damping as given
+  (a number or a schedule), which `kaisa_jax.curvature_statistics` reads.
+  """
 
   plan: Plan
+  damping: hp.ScalarOrSchedule
 
 
 def _layer_params(tree: Any, plan: Plan, what: str) -> dict[str, dict[str, Array]]:
@@ -994,6 +1003,7 @@ def kfac(
       decompositions=jnp.zeros((rows, layout.cols, layout.decomposition_size), dec_dtype),
       skipped_factor_updates=jnp.zeros([], jnp.int32),
       failed_decompositions=jnp.zeros([], jnp.int32),
+      kl_scale=jnp.ones([], dec_dtype),
       refresh=jnp.zeros([], bool),
       stack_offsets=offsets,
     )
@@ -1069,10 +1079,11 @@ def kfac(
     new_updates = jax.tree_util.tree_map_with_path(
       lambda path, leaf: _replace(leaf, replacements.get(path, ())), updates
     )
-    return new_updates, state._replace(count=step + 1)
+    return new_updates, state._replace(count=step + 1, kl_scale=nu)
 
   tx = KFAC(init_fn, update_fn)
   tx.plan = plan
+  tx.damping = damping
   return tx
 
 
@@ -1132,7 +1143,7 @@ def state_partition_specs(state: KFACState) -> KFACState:
   """The ``shard_map`` specs of a `KFACState` made for a mesh."""
   owned = P(distribution.RECEIVERS, distribution.GRAD_WORKERS)
   group = P(distribution.RECEIVERS)
-  return KFACState(P(), P(), owned, group, P(), P(), P(), (P(),) * len(state.stack_offsets))
+  return KFACState(P(), P(), owned, group, P(), P(), P(), P(), (P(),) * len(state.stack_offsets))
 
 
 def partition_specs(tree: Any) -> Any:

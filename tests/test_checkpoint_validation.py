@@ -1,6 +1,7 @@
 """Checkpoints of another model, treatment or device layout raise instead of restoring garbage."""
 
 import functools
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -186,3 +187,42 @@ def test_round_trip_through_orbax_restores_bit_exactly(tmp_path):
   back = kaisa_jax.from_portable(kfac, restored)
   for field, a, b in zip(state._fields, state, back, strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=field)
+
+
+class _PortableBeforeKLScale(NamedTuple):
+  """`kaisa_jax.PortableKFACState` as written before it held ``kl_scale``."""
+
+  count: np.ndarray
+  factor_total: np.ndarray
+  skipped_factor_updates: np.ndarray
+  failed_decompositions: np.ndarray
+  factors: dict
+  decompositions: dict
+  treatments: dict
+
+
+def test_a_checkpoint_without_kl_scale_is_refused_by_name_or_restored_partially(tmp_path):
+  params, grad_fn, _ = _model(SMALL)
+  kfac, state = _fresh(SMALL, kl_clip=1e-4, lr=0.1)
+  _, grads, curvature = grad_fn(params, X)
+  _, state = jax.jit(kfac.update)(grads, state, params, curvature=curvature)
+  portable = kaisa_jax.to_portable(kfac, state)
+  assert float(portable.kl_scale) < 1  # the clip was active
+  target = kaisa_jax.to_portable(kfac, kfac.init(params))
+  # The current layout round-trips kl_scale with the rest.
+  back = kaisa_jax.from_portable(kfac, _orbax_round_trip(tmp_path / "new", portable, target))
+  np.testing.assert_array_equal(back.kl_scale, state.kl_scale)
+
+  old = _PortableBeforeKLScale(**{k: v for k, v in portable._asdict().items() if k != "kl_scale"})
+  with pytest.raises(ValueError, match="kl_scale"):
+    _orbax_round_trip(tmp_path / "old", old, target)
+  # Restored partially, kl_scale comes from the target (1, as at init); the rest as saved.
+  restored = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).restore(
+    tmp_path / "old" / "checkpoint",
+    args=ocp.args.PyTreeRestore(item={"opt": target}, partial_restore=True),
+  )["opt"]
+  back = kaisa_jax.from_portable(kfac, restored)
+  assert float(back.kl_scale) == 1.0
+  for field, a, b in zip(state._fields, state, back, strict=True):
+    if field != "kl_scale":
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=field)

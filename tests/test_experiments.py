@@ -73,7 +73,11 @@ def test_compare_writes_records_figure_table_reproducibly(task, small_tasks, tmp
     if optimizers.is_kfac(name):
       assert records[-1]["skipped_factor_updates"] == 0
       assert records[-1]["failed_decompositions"] == 0
+      check_curvature(records)
+    else:
+      assert all("curvature" not in r for r in records)
   assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert (out / "curvature.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   table = (out / "table.md").read_text()
   for name in names:
     assert f"| {name} |" in table
@@ -82,10 +86,30 @@ def test_compare_writes_records_figure_table_reproducibly(task, small_tasks, tmp
   kfac, extra = optimizers.DEFAULTS["kfac"], {"settings_from": "default"}
   again = train(small(task), kfac, 3, 0, 2, progress=False, extra_config=extra)
   assert strip_wall(again) == strip_wall(read(out / "kfac-seed0.jsonl"))
-  if task == "mnist1d":  # table mode rebuilds the same table from the results files
-    (out / "table.md").unlink()
+  if task == "mnist1d":  # table mode rebuilds the same table and figures from the results files
+    for name in ("table.md", "compare.png", "curvature.png"):
+      (out / name).unlink()
     cli.main(["table", "--task", task, "--out", str(tmp_path)])
     assert (out / "table.md").read_text() == table
+    assert (out / "compare.png").exists() and (out / "curvature.png").exists()
+
+
+def check_curvature(records):
+  """K-FAC's curvature entries: every layer at every evaluation, finite once it has trained."""
+  layers = set(records[0]["curvature"]["layers"])
+  assert layers
+  for r in records:
+    curvature = r["curvature"]
+    assert set(curvature) == {"kl_scale", "worst_layer", "layers"}
+    assert set(curvature["layers"]) == layers
+    assert 0 < curvature["kl_scale"] <= 1
+    conditions = {n: v["condition"] for n, v in curvature["layers"].items()}
+    assert curvature["worst_layer"] == max(conditions, key=conditions.get)
+    trained = r["step"] > 0
+    for v in curvature["layers"].values():
+      assert v["condition"] >= 1
+      assert (v["relative_damping"] is not None) == trained  # no curvature before training
+      assert v["relative_damping"] is None or v["relative_damping"] > 0
 
 
 def test_sweep_chooses_on_validation_and_compare_uses_it(small_tasks, monkeypatch, tmp_path):
@@ -108,6 +132,7 @@ def test_sweep_chooses_on_validation_and_compare_uses_it(small_tasks, monkeypatc
   assert record["config"]["settings_from"] == "sweep"
   assert record["config"]["lr"] == summary["best"]["sgd"]["lr"]
   assert (out / "run" / "sgd.png").exists()
+  assert not (out / "run" / "sgd-curvature.png").exists()  # no K-FAC, no curvature figure
 
 
 def test_compare_takes_the_optimizers_in_turns_seed_by_seed(monkeypatch, tmp_path):
