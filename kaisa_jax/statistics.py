@@ -5,17 +5,21 @@ clamped at 0) and the damping ``lambda`` of the step:
 
 * each factor's eigenvalues' minimum, maximum and mean;
 * the relative damping ``lambda / (mean(a) mean(g))``: the damping against the
-  mean eigenvalue of ``A (x) G``, the layer's curvature scale. Below about
+  mean eigenvalue of ``A (x) G``, the layer's curvature scale (with
+  ``damping_form="relative"``, whose damping is already in those units, it is
+  ``lambda`` itself). Below about
   `NEGLIGIBLE_DAMPING` the damping does not regularise (directions the factors
   barely see are scaled by up to ``1 / lambda``); above about
   `DROWNING_DAMPING` it drowns the curvature (the step is about
   ``gradient / lambda``, plain SGD);
 * the condition number of the damped Kronecker product that preconditioning
-  inverts, ``max / min`` of its eigenvalues `damped_curvature`:
-  ``(max(a) max(g) + lambda) / (min(a) min(g) + lambda)`` for the eigen
-  method, ``(max(a) + lambda)(max(g) + lambda) / ((min(a) + lambda)(min(g) +
+  inverts, ``max / min`` of its eigenvalues `damped_curvature`: with KAISA's
+  damping ``(max(a) max(g) + lambda) / (min(a) min(g) + lambda)`` for the eigen
+  method and ``(max(a) + lambda)(max(g) + lambda) / ((min(a) + lambda)(min(g) +
   lambda))`` for the inverse method, whose preconditioner is
-  ``(A + lambda I)^-1 (x) (G + lambda I)^-1``.
+  ``(A + lambda I)^-1 (x) (G + lambda I)^-1``; with a factored form (``"pi"``,
+  ``"relative"``) ``(max(a) + sa)(max(g) + sg) / ((min(a) + sa)(min(g) + sg))``
+  for both methods, ``sa`` and ``sg`` the factors' shares of the damping.
 
 A convolution with ``k > 1`` feature groups has one pair of factors per group:
 the minimum, maximum and mean run over every group's eigenvalues, the scale is
@@ -110,15 +114,21 @@ class DampingCheck(NamedTuple):
   drowning: dict[str, float]
 
 
-def damped_curvature(a: Array, g: Array, method: str, damping: Array) -> Array:
+def damped_curvature(
+  a: Array, g: Array, method: str, damping: Array, form: str, shares: tuple[Array, Array]
+) -> Array:
   """The eigenvalue of the damped product that pairs ``a`` (of ``A``) with ``g`` (of ``G``).
 
-  ``a g + damping`` for the eigen method, ``(a + damping)(g + damping)`` for
-  the inverse method. The one place where the statistics apply the damping.
+  With KAISA's damping ``a g + damping`` for the eigen method and
+  ``(a + damping)(g + damping)`` for the inverse method; with a factored form
+  ``(a + sa)(g + sg)`` for both, ``shares = (sa, sg)`` from
+  `kaisa_jax.preconditioning.side_damping`. The one place where the statistics
+  apply the damping.
   """
-  if method == preconditioning.EIGEN:
+  if form == preconditioning.KAISA and method == preconditioning.EIGEN:
     return a * g + damping
-  return (a + damping) * (g + damping)
+  sa, sg = shares
+  return (a + sa) * (g + sg)
 
 
 def eigenvalues(factor: Array, diagonal: bool) -> Array:
@@ -134,18 +144,24 @@ def eigenvalues(factor: Array, diagonal: bool) -> Array:
   return jnp.maximum(preconditioning._each_matrix(jnp.linalg.eigvalsh, factor), 0.0)
 
 
-def layer_statistics(a: Array, g: Array, method: str, damping: Array) -> LayerStatistics:
+def layer_statistics(
+  a: Array, g: Array, method: str, damping: Array, form: str = preconditioning.KAISA
+) -> LayerStatistics:
   """The statistics of a layer whose factors have eigenvalues ``a`` and ``g``, ``(groups, d)``.
 
   ``damping`` is the value at the step the statistics describe (a schedule
-  resolved already).
+  resolved already), ``form`` its form (`kaisa_jax.preconditioning`).
   """
   lo_a, hi_a, mean_a = a.min(axis=1), a.max(axis=1), a.mean(axis=1)
   lo_g, hi_g, mean_g = g.min(axis=1), g.max(axis=1), g.mean(axis=1)
-  top = damped_curvature(hi_a, hi_g, method, damping).max()
-  bottom = damped_curvature(lo_a, lo_g, method, damping).min()
+  shares = preconditioning.side_damping(form, damping, mean_a, mean_g)
+  top = damped_curvature(hi_a, hi_g, method, damping, form, shares).max()
+  bottom = damped_curvature(lo_a, lo_g, method, damping, form, shares).min()
   scale = jnp.mean(mean_a * mean_g)
-  relative = jnp.where(scale > 0, damping / jnp.where(scale > 0, scale, 1.0), jnp.inf)
+  # The damping in units of the curvature: lambda, or for the relative form the
+  # product of its shares, lambda times the factors' (nonzero) mean eigenvalues.
+  absolute = jnp.mean(shares[0] * shares[1]) if form == preconditioning.RELATIVE else damping
+  relative = jnp.where(scale > 0, absolute / jnp.where(scale > 0, scale, 1.0), jnp.inf)
   return LayerStatistics(
     Eigenvalues(a.min(), a.max(), a.mean()),
     Eigenvalues(g.min(), g.max(), g.mean()),
@@ -282,6 +298,7 @@ def curvature_statistics(
   state = _global_view(plan, state)
   dtype = preconditioning.decomposition_dtype(plan.factor_dtype)
   damp = _resolve_damping(kfac, state, injected, damping, dtype)
+  form = plan.damping_form
   decompositions = transform.grouped_decompositions(plan, state)
   needs_factors = any(t.method != preconditioning.EIGEN for _, t in plan.layers)
   factors = transform.grouped_factors(plan, state) if needs_factors else {}
@@ -293,7 +310,7 @@ def curvature_statistics(
         values.append(getattr(decompositions[spec.name], side).values.astype(dtype))
       else:
         values.append(eigenvalues(getattr(factors[spec.name], side), diagonal))
-    layers[spec.name] = layer_statistics(*values, t.method, damp)
+    layers[spec.name] = layer_statistics(*values, t.method, damp, form)
   stats = CurvatureStatistics(
     layers,
     damp,

@@ -121,6 +121,7 @@ class Plan:
   collectives: distribution.Collectives
   mesh: Mesh | None
   factor_dtype: Any
+  damping_form: str = preconditioning.KAISA
 
   def __str__(self) -> str:
     w = max([28, *(len(x.name) + 1 for x in (*(s for s, _ in self.layers), *self.skipped))])
@@ -765,6 +766,7 @@ def make_plan(
   max_cost_ratio: float | None,
   assignment_cost: str,
   factor_dtype: Any,
+  damping_form: str = preconditioning.KAISA,
 ) -> Plan:
   """Each layer's treatment (`kaisa_jax.cost`) and owner (`kaisa_jax.assignment`) on ``comm``'s devices."""
   treated = tuple(
@@ -778,7 +780,14 @@ def make_plan(
   )
   layout = assignment.make_layout(treated, comm.rows, comm.cols, assignment_cost)
   return Plan(
-    treated, layers.skipped, layout, inv_update_steps, comm, mesh, jnp.dtype(factor_dtype)
+    treated,
+    layers.skipped,
+    layout,
+    inv_update_steps,
+    comm,
+    mesh,
+    jnp.dtype(factor_dtype),
+    damping_form,
   )
 
 
@@ -981,6 +990,7 @@ def kfac(
     max_cost_ratio=max_cost_ratio,
     assignment_cost=assignment_cost,
     factor_dtype=factor_dtype,
+    damping_form=damping_form,
   )
   layout = plan.layout
   unsupported = [k for k in layers.skipped if k.reason != EXCLUDED]

@@ -79,13 +79,22 @@ def _reference(kfac, state, damping: float) -> dict:
       sides.append(np.maximum(values, 0.0).reshape(spec.groups, -1))
     a, g = sides
     ext = [(a.min(1), g.min(1)), (a.max(1), g.max(1))]
-    if t.method == "eigen":
+    form = kfac.plan.damping_form
+    # The damping's shares of each factor, per group (kaisa: all of it on both).
+    ma, mg = a.mean(1), g.mean(1)
+    sa, sg = {
+      "kaisa": (damping, damping),
+      "pi": (np.sqrt(damping * ma / mg), np.sqrt(damping * mg / ma)),
+      "relative": (np.sqrt(damping) * ma, np.sqrt(damping) * mg),
+    }[form]
+    if t.method == "eigen" and form == "kaisa":
       lo, hi = (x * y + damping for x, y in ext)
     else:
-      lo, hi = ((x + damping) * (y + damping) for x, y in ext)
-    scale = np.mean(a.mean(1) * g.mean(1))
+      lo, hi = ((x + sa) * (y + sg) for x, y in ext)
+    scale = np.mean(ma * mg)
+    absolute = np.mean(sa * sg) if form == "relative" else damping
     out[name] = (a.min(), a.max(), a.mean(), g.min(), g.max(), g.mean())
-    out[name] += (damping / scale, hi.max() / lo.min())
+    out[name] += (absolute / scale, hi.max() / lo.min())
   return out
 
 
@@ -120,6 +129,19 @@ def test_statistics_equal_a_float64_computation_from_the_factors(method):
   assert int(stats.steps) == 3 == int(state.count)
   assert int(stats.skipped_factor_updates) == 0 and int(stats.failed_decompositions) == 0
   np.testing.assert_array_equal(stats.kl_scale, state.kl_scale)
+
+
+@pytest.mark.parametrize("form", ["pi", "relative"])
+@pytest.mark.parametrize("method", ["eigen", "inverse, diagonal sides"])
+def test_statistics_of_the_factored_damping_forms(method, form):
+  """A factored form damps both sides by shares: the same condition number for either method."""
+  kfac, opt_state = _trained(method, damping_form=form)
+  stats = kaisa_jax.curvature_statistics(kfac, opt_state)
+  reference = _reference(kfac, opt_state[0], 1e-2)
+  _assert_close(stats, reference)
+  if form == "relative":  # the damping is in units of the curvature already
+    for s in stats.layers.values():
+      np.testing.assert_allclose(float(s.relative_damping), 1e-2, rtol=1e-5)
 
 
 def test_a_damping_schedule_is_read_at_the_last_step():
