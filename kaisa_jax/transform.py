@@ -729,6 +729,21 @@ def _collectives(
   return distribution.Collectives("single", 1, 1)
 
 
+WARNED_MODULES = 10
+
+
+def _skipped_warning(skipped: Sequence[Skipped]) -> str:
+  """The warning about modules that are not preconditioned: one a line, the first few."""
+  lines = [
+    f"kaisa_jax: {len(skipped)} module(s) with parameters will not be preconditioned (their "
+    "gradients pass through unchanged):",
+    *(f"  {k.name} ({k.module_type}): {k.reason}" for k in skipped[:WARNED_MODULES]),
+  ]
+  if len(skipped) > WARNED_MODULES:
+    lines.append(f"  ... and {len(skipped) - WARNED_MODULES} more; print(tx.plan) lists them all")
+  return "\n".join(lines)
+
+
 def make_plan(
   layers: Layers,
   comm: distribution.Collectives,
@@ -879,6 +894,14 @@ def kfac(
       "kaisa_jax.value_and_grad(loss_fn); kaisa_jax.kfac(grad_fn.layers(params, batch), ...)"
       f"; got {type(layers).__name__}"
     )
+  if not layers.specs:
+    raise ValueError(
+      "kfac has no layer to precondition: the loss calls no layer kind kaisa_jax captures "
+      "(nn.Dense, nn.DenseGeneral, nn.Conv, nn.Embed, their NNX twins, or a type given to "
+      "kaisa_jax.register_layer) on the params it is given. Compute the loss by calling "
+      "model.apply(params, ...) (unjitted) or nnx.merge(graphdef, params) inside it; "
+      f"print(grad_fn.layers(...)) lists what was found:\n{layers}"
+    )
   inv_update_steps = hp.static("inv_update_steps", inv_update_steps)
   max_cost_ratio = hp.static("max_cost_ratio", max_cost_ratio)
   grad_worker_fraction = hp.static("grad_worker_fraction", grad_worker_fraction)
@@ -943,12 +966,7 @@ def kfac(
   layout = plan.layout
   unsupported = [k for k in layers.skipped if k.reason != EXCLUDED]
   if unsupported:
-    warnings.warn(
-      f"kaisa_jax: {len(unsupported)} module(s) with parameters will not be preconditioned "
-      "(their gradients pass through unchanged): "
-      + ", ".join(f"{k.name} ({k.module_type}: {k.reason})" for k in unsupported),
-      stacklevel=2,
-    )
+    warnings.warn(_skipped_warning(unsupported), stacklevel=2)
   dec_dtype = preconditioning.decomposition_dtype(factor_dtype)
   check_layer = _alignment_layer(plan)
   offsets = stack_offsets(plan)
