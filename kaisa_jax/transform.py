@@ -744,6 +744,24 @@ def _skipped_warning(skipped: Sequence[Skipped]) -> str:
   return "\n".join(lines)
 
 
+def _check_mesh(mesh: Any) -> None:
+  """Raises unless ``mesh`` is ``None`` or a `jax.sharding.Mesh`.
+
+  ``optax.inject_hyperparams`` takes every callable argument for a schedule: a
+  ``Mesh`` is callable, so it arrives here as a function unless it is listed
+  in ``static_args``.
+  """
+  if mesh is None or isinstance(mesh, Mesh):
+    return
+  how = ""
+  if callable(mesh):
+    how = (
+      ": under optax.inject_hyperparams, list mesh in static_args (a Mesh is callable, so "
+      f"inject_hyperparams takes it for a schedule), e.g. static_args={hp.STATIC!r}"
+    )
+  raise TypeError(f"mesh must be a jax.sharding.Mesh from kaisa_jax.make_mesh, got {mesh!r}{how}")
+
+
 def make_plan(
   layers: Layers,
   comm: distribution.Collectives,
@@ -902,6 +920,7 @@ def kfac(
       "model.apply(params, ...) (unjitted) or nnx.merge(graphdef, params) inside it; "
       f"print(grad_fn.layers(...)) lists what was found:\n{layers}"
     )
+  _check_mesh(mesh)
   inv_update_steps = hp.static("inv_update_steps", inv_update_steps)
   max_cost_ratio = hp.static("max_cost_ratio", max_cost_ratio)
   grad_worker_fraction = hp.static("grad_worker_fraction", grad_worker_fraction)
