@@ -935,8 +935,8 @@ def kfac(
       raise ValueError(
         "kl_clip needs the learning rate: pass lr= (the chained optimizer's), or kl_clip=None"
       )
-  if lr is not None:
-    hp.check_scalar("lr", lr, 0.0, open_low=True)
+  if lr is not None:  # 0 too (a warmup's first step): the chained optimizer then moves nothing
+    hp.check_scalar("lr", lr, 0.0)
   if compute_method not in preconditioning.METHODS:
     raise ValueError(
       f"compute_method must be one of {preconditioning.METHODS}, got {compute_method!r}"
