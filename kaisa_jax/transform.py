@@ -42,7 +42,7 @@ from kaisa_jax import assignment, cost, distribution, preconditioning
 from kaisa_jax import factors as factors_lib
 from kaisa_jax import hyperparameters as hp
 from kaisa_jax import layers as layers_lib
-from kaisa_jax.capture import EXCLUDED, Curvature, Layers, Skipped
+from kaisa_jax.capture import EXCLUDED, Curvature, Layers, Skipped, plain_path
 
 Array = jax.Array
 
@@ -169,15 +169,18 @@ class KFAC(optax.GradientTransformationExtraArgs):
 
 
 def _layer_params(tree: Any, plan: Plan, what: str) -> dict[str, dict[str, Array]]:
-  """Each layer's ``kernel``/``bias`` leaves in ``tree``; a clear error if absent."""
-  leaves = dict(jax.tree_util.tree_flatten_with_path(tree)[0])
+  """Each layer's ``kernel``/``bias`` leaves in ``tree``; a clear error if absent.
+
+  NNX leaves are found as variables and as plain arrays alike (`plain_path`).
+  """
+  leaves = {plain_path(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
   out = {}
   for spec, _ in plan.layers:
     entry = {}
     kind = spec.layer_kind
     for key in (kind.weight, kind.bias) if spec.has_bias else (kind.weight,):
       path = (*spec.param_path, jax.tree_util.DictKey(key), *spec.param_suffix)
-      leaf = leaves.get(path)
+      leaf = leaves.get(plain_path(path))
       if leaf is not None and spec.param_index:
         leaf = leaf[spec.param_index]
       if leaf is None:
@@ -1067,11 +1070,11 @@ def kfac(
       for j, i in enumerate(members):
         spec = plan.layers[i][0]
         for key, value in stacked.items():
-          path = (*spec.param_path, jax.tree_util.DictKey(key), *spec.param_suffix)
+          path = plain_path((*spec.param_path, jax.tree_util.DictKey(key), *spec.param_suffix))
           value = _member(value, state.stack_offsets, j).astype(grads[spec.name][key].dtype)
           replacements.setdefault(path, []).append((spec.param_index, value))
     new_updates = jax.tree_util.tree_map_with_path(
-      lambda path, leaf: _replace(leaf, replacements.get(path, ())), updates
+      lambda path, leaf: _replace(leaf, replacements.get(plain_path(path), ())), updates
     )
     return new_updates, state._replace(count=step + 1)
 
