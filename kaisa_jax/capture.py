@@ -11,7 +11,10 @@ The perturbations need the shapes of the layer outputs, so the loss is first
 traced abstractly (`jax.eval_shape`, no computation). The same abstract trace
 gives the registry of layers (`Layers`) that `kaisa_jax.kfac` is built from.
 It is kept for the next call with the same argument types; the real evaluation
-checks every layer call against it and traces again when one differs.
+checks every layer call against it and traces again when one differs. Layers
+inside a ``jax.jit``-compiled function (a jitted ``model.apply``) run in its own
+trace, or not at all once it is compiled: the trace raises, naming it, when
+the loss hands such a function parameters that no module was seen to hold.
 
 Layers inside ``lax.scan``, ``jax.vmap`` and ``jax.checkpoint`` (and so inside
 ``nn.scan``, ``nn.vmap`` and ``nn.remat``) run in a trace of their own, whose
@@ -40,6 +43,7 @@ import numpy as np
 from flax import nnx
 from flax.core import FrozenDict
 from flax.core import tracers as flax_tracers
+from jax.extend import core as jax_core
 
 from kaisa_jax import layers as layers_lib
 
@@ -197,9 +201,29 @@ class _Session:
     self.skipped: dict[str, Skipped] = {}
     self.elsewhere: dict[str, str] = {}  # layers called in a trace no frame follows
     self.nnx_lifted: set[str] = set()  # NNX layer types called inside a transformation
+    self.owned: set[tuple] = set()  # key paths of the params of the modules called
+    self.owners: set[tuple[str, ...]] = set()  # paths of the linen modules with params called here
+    self.nnx = False  # whether an NNX module was called
 
   def skip(self, name: str, module: Any, reason: str) -> None:
     self.skipped[name] = Skipped(name, type(module).__name__, reason)
+
+  def note_owner(self, module: Any) -> dict[str, Any]:
+    """Notes which params a called module holds itself; returns them.
+
+    A parameter counts by identity (the loss handed it on unchanged) and, for
+    linen, by the module's path when the module runs in a followed trace (so
+    not inside a ``jax.jit``-compiled function) and is not the root module.
+    """
+    own = _direct_params(module)
+    for value in own.values():
+      path = self.leaf_paths.get(id(value))
+      if path is not None:
+        self.owned.add(plain_path(path))
+    if own and isinstance(module, nn.Module) and module.path and self.active():
+      self.owners.add(tuple(module.path))  # the root's path, (), would match any top-level key
+    self.nnx = self.nnx or isinstance(module, nnx.Module)
+    return own
 
   def intercept(self, next_fun, args, kwargs, context):
     """The interceptor: numbers the calls of layer kinds and hands them to ``on_call``."""
@@ -208,12 +232,10 @@ class _Session:
       return next_fun(*args, **kwargs)
     name = _module_name(module, self.leaf_paths)
     kind = _kind(module, self.selection)
+    own = self.note_owner(module)
     if kind is None or method not in dict(kind.methods):
-      if kind is None and _direct_params(module) and name not in self.skipped:
-        reason = "unsupported layer type; gradients pass through"
-        if layers_lib.find_kind(module) is not None:  # a normalisation layer
-          reason = "normalisation layer, passed through (value_and_grad(normalization=...))"
-        self.skip(name, module, reason)
+      if kind is None and own and name not in self.skipped:
+        self.skip(name, module, _uncaptured_reason(module, own))
       return next_fun(*args, **kwargs)
     if not self.active():
       self.elsewhere[name] = type(module).__name__
@@ -355,6 +377,19 @@ def _module_name(module: Any, leaf_paths: dict[int, tuple]) -> str:
     prefix, _ = _split_path(path, kind.weight)
     return "/".join(_key_name(k) for k in prefix) or type(module).__name__
   return "/".join(module.path) if module.path else type(module).__name__
+
+
+def _uncaptured_reason(module: Any, own: dict[str, Any]) -> str:
+  """Why a called module that holds parameters itself is not preconditioned."""
+  if layers_lib.find_kind(module) is not None:  # a normalisation layer
+    return "normalisation layer, passed through (value_and_grad(normalization=...))"
+  if type(module).__module__.startswith("flax."):
+    return "unsupported layer type; gradients pass through"
+  return (
+    f"parameter(s) {', '.join(sorted(own))} created with self.param directly in a module "
+    "that is not a layer kind kaisa_jax knows (see kaisa_jax.register_layer); gradients pass "
+    "through"
+  )
 
 
 def _direct_params(module: Any) -> dict[str, Any]:
@@ -580,7 +615,8 @@ def _trace(
       fun(params, *args, **kwargs)
     return s.frames[0].record
 
-  outs = jax.eval_shape(traced, params)
+  stage = jax.jit(traced).trace(params)  # what jax.eval_shape does, keeping the jaxpr
+  outs = stage.out_info
   (session,) = sessions
   skipped = session.skipped
   for name, module_type in session.elsewhere.items():
@@ -591,7 +627,7 @@ def _trace(
           name,
           module_type,
           "applied inside a JAX transformation kaisa_jax does not follow (lax.cond,"
-          " lax.while_loop, custom_vjp, ...); gradients pass through",
+          " lax.while_loop, custom_vjp, jax.jit, ...); gradients pass through",
         ),
       )
   selection.check_patterns([c.name for c in calls.values()])
@@ -632,35 +668,147 @@ def _trace(
         specs[name] = dataclasses.replace(
           prev, methods=(*prev.methods, c.method), rows=prev.rows + c.rows
         )
-  if isinstance(params, nnx.State):
-    _list_uncaptured_nnx(leaves, specs.values(), skipped, session.nnx_lifted)
+  claimed = {plain_path(p) for s in specs.values() for p in _spec_leaves(s)} | session.owned
+  is_nnx = isinstance(params, nnx.State) or session.nnx
+  unclaimed = [p for p in leaves if not _explained(p, claimed, session, is_nnx)]
+  _check_not_jitted(stage.jaxpr, list(leaves), {plain_path(p) for p in unclaimed})
+  _list_unclaimed(list(leaves), unclaimed, skipped, session.nnx_lifted, is_nnx)
   traced_calls = _Traced(calls, session.calls, ends, tuple(slots), outs)
   return Layers(tuple(specs.values()), tuple(skipped.values())), traced_calls
 
 
-def _list_uncaptured_nnx(
-  leaves: dict[tuple, Any], specs: Any, skipped: dict[str, Skipped], lifted: set[str]
-) -> None:
-  """Lists the NNX modules whose parameters no captured layer holds.
+def _spec_leaves(spec: layers_lib.LayerSpec) -> tuple[tuple, ...]:
+  """The key paths of a layer's weight and bias in the params."""
+  kind = spec.layer_kind
+  keys = (kind.weight, kind.bias) if spec.has_bias else (kind.weight,)
+  return tuple((*spec.param_path, jax.tree_util.DictKey(k), *spec.param_suffix) for k in keys)
 
-  NNX has no method interceptors, so only the layer kinds' own calls are seen;
-  every other module is found here from the params instead. ``lifted`` names
-  the layer types seen inside NNX transformations, which are not followed.
+
+def plain_path(path: tuple) -> tuple:
+  """A key path without the attribute keys at its end.
+
+  Flax NNX params come as variables (``nnx.split``: a layer's kernel at
+  ``['hidden']['kernel'].value``) or as their arrays (``nnx.Optimizer`` hands
+  ``update`` those: ``['hidden']['kernel']``); both name the same leaf.
   """
+  while path and isinstance(path[-1], jax.tree_util.GetAttrKey):
+    path = path[:-1]
+  return path
+
+
+def _names(path: tuple) -> tuple[str, ...]:
+  return tuple(_key_name(k) for k in plain_path(path))
+
+
+def _explained(path: tuple, claimed: set[tuple], s: _Session, nnx_: bool) -> bool:
+  """Whether a parameter is held by a module the loss was seen to call.
+
+  ``claimed``: the plain key paths held by captured layers or by modules called
+  with them unchanged. A linen parameter also counts when its module's path
+  (in the params collection, or after the collection's name in the whole
+  variables) is that of a module called in a followed trace.
+  """
+  if plain_path(path) in claimed:
+    return True
+  n = _names(path)
+  return not nnx_ and (n[:-1] in s.owners or (len(n) > 2 and n[1:-1] in s.owners))
+
+
+def _list_unclaimed(
+  paths: list[tuple],
+  unclaimed: list[tuple],
+  skipped: dict[str, Skipped],
+  lifted: set[str],
+  nnx_: bool,
+) -> None:
+  """Lists the ``unclaimed`` parameters that no listed module explains.
+
+  A linen module that holds parameters is seen when it is called: a parameter
+  of none of them is read outside every module call, or belongs to a module the
+  loss does not call, or to one called where capture does not follow (listed
+  already). NNX has no method interceptors, so only the layer kinds' own calls
+  are seen: every other module is found here from the params, grouped by the
+  path of the module that holds them. ``lifted`` names the NNX layer types seen
+  inside NNX transformations, which are not followed.
+  """
+  if not nnx_:
+    for n in map(_names, unclaimed):
+      if "/".join(n[:-1]) in skipped or "/".join(n[1:-1]) in skipped:
+        continue
+      skipped.setdefault(
+        "/".join(n),
+        Skipped(
+          "/".join(n),
+          "no module",
+          "a parameter no Flax module of the loss reads (read outside model.apply, or held by "
+          "a module the loss does not call); gradients pass through",
+        ),
+      )
+    return
   reason = "not a layer kind kaisa_jax captures"
   if lifted:
     reason += (
-      f", or a {' or '.join(sorted(lifted))} applied inside nnx.scan, nnx.vmap or nnx.remat,"
-      " which kaisa_jax does not follow yet"
+      f", or a {' or '.join(sorted(lifted))} applied inside nnx.scan, nnx.vmap or"
+      " nnx.remat, which kaisa_jax does not follow yet"
     )
   reason += "; gradients pass through"
-  held = {s.param_path for s in specs}
-  for path in leaves:
-    last = max(i for i, k in enumerate(path) if isinstance(k, jax.tree_util.DictKey))
-    prefix = path[:last]
-    name = "/".join(_key_name(k) for k in prefix)
-    if prefix not in held and name not in skipped:
-      skipped[name] = Skipped(name, "nnx.Module", reason)
+  containers = {n[:i] for n in map(_names, paths) for i in range(len(n) - 1)}
+  for n in map(_names, unclaimed):
+    if n[:-1] in containers:  # held beside submodules, or by the root module
+      name = "/".join(n)
+      skipped.setdefault(
+        name,
+        Skipped(
+          name,
+          "nnx.Param",
+          "a parameter created with nnx.Param directly in a module that is not a layer kind "
+          "kaisa_jax knows; gradients pass through",
+        ),
+      )
+    else:
+      skipped.setdefault("/".join(n[:-1]), Skipped("/".join(n[:-1]), "nnx.Module", reason))
+
+
+_JIT = ("jit", "pjit")
+_LAYER_OPS = ("dot_general", "conv_general_dilated")
+
+
+def _has_layer_ops(jaxpr: Any) -> bool:
+  """Whether a jaxpr (or one nested in it) multiplies as a dense layer or a convolution does."""
+  return any(e.primitive.name in _LAYER_OPS for e in jaxpr.eqns) or any(
+    _has_layer_ops(j) for j in jax_core.subjaxprs(jaxpr)
+  )
+
+
+def _check_not_jitted(closed: Any, paths: list[tuple], unclaimed: set[tuple]) -> None:
+  """Raises if the loss hands ``unclaimed`` parameters to a ``jax.jit``-compiled function.
+
+  Layers inside a compiled function run in the function's own trace, or not at
+  all when its compiled form is reused: capture cannot see them. ``closed`` is
+  the loss's jaxpr, whose inputs are the leaves at ``paths``; a parameter that
+  no module was seen to hold, passed on as is (or cast) to a ``jit`` that
+  multiplies as a dense layer or a convolution does, counts.
+  """
+  jaxpr = closed.jaxpr
+  if not unclaimed or len(jaxpr.invars) != len(paths):
+    return
+  source = dict(zip(jaxpr.invars, map(plain_path, paths), strict=True))
+  for eqn in jaxpr.eqns:
+    inputs = [v for v in eqn.invars if not isinstance(v, jax_core.Literal)]
+    if eqn.primitive.name in ("convert_element_type", "copy") and inputs[0] in source:
+      source[eqn.outvars[0]] = source[inputs[0]]
+    if eqn.primitive.name not in _JIT:
+      continue
+    hidden = [source[v] for v in inputs if source.get(v) in unclaimed]
+    if hidden and _has_layer_ops(eqn.params["jaxpr"].jaxpr):
+      shown = ", ".join(jax.tree_util.keystr(p) for p in hidden[:4])
+      raise ValueError(
+        f"kaisa_jax: the loss passes the parameters {shown}{', ...' if len(hidden) > 4 else ''}"
+        f" to a jax.jit-compiled function ({eqn.params.get('name', 'jit')}: a jitted "
+        "model.apply?), whose layers capture cannot see. Call model.apply unjitted inside "
+        "the loss, and jit the train step instead (grad_fn and tx.update inside one "
+        "jax.jit)."
+      )
 
 
 class _Mismatch(RuntimeError):

@@ -13,6 +13,10 @@ transformation, possibly made for another mesh, fraction or device count::
   restored = ckpt.restore(path, target)
   opt_state = kaisa_jax.from_portable(kfac, restored["opt"])
 
+On a mesh, `from_portable` also puts back on the mesh the other arrays of the
+optimizer state that Orbax restores onto one device (the counters of Optax's
+wrappers).
+
 Resuming with the same layout is exact: the state is moved, not recomputed, so
 training continues bit for bit. With another device count, fraction or
 assignment the factors and decompositions move to their new owners. If a
@@ -44,9 +48,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from kaisa_jax import assignment, cost, preconditioning, transform
+from kaisa_jax import hyperparameters as hp
 from kaisa_jax import layers as layers_lib
 
 Array = Any
@@ -399,15 +405,35 @@ def _place(kfac: transform.KFAC, portable: PortableKFACState) -> transform.KFACS
   return jax.tree.map(jnp.asarray, state)
 
 
+def _replicated(mesh: Mesh, x: Any) -> Any:
+  """``x`` replicated over ``mesh`` if it is an array that lies on other devices.
+
+  Orbax restores the arrays of a target that sit on one device (the counters
+  Optax's wrappers make with ``jnp.zeros``) committed to that device; the
+  train step over the mesh would refuse them.
+  """
+  if not isinstance(x, jax.Array) or hp.is_traced(x):
+    return x
+  if x.sharding.device_set == set(mesh.devices.flat):
+    return x
+  return jax.device_put(x, NamedSharding(mesh, P()))
+
+
 def from_portable(kfac: transform.KFAC, tree: Any) -> Any:
   """``tree`` with every `PortableKFACState` laid out as a `KFACState` for ``kfac``.
 
   The result is sharded over ``kfac``'s mesh (``shard_map``), replicated with a
   leading device axis (``pmap``: pass it to the pmapped step as is), or on the
-  default device.
+  default device. With a mesh, every other array of ``tree`` that is not on the
+  mesh (the step counters of ``optax.apply_if_finite``, ``optax.MultiSteps``
+  or ``optax.inject_hyperparams``, which Orbax restores onto one device) is
+  replicated over it, as `kaisa_jax.partition_specs` says it is.
   """
-  return jax.tree.map(
-    lambda x: _place(kfac, x) if isinstance(x, PortableKFACState) else x,
-    tree,
-    is_leaf=_is_state,
-  )
+  mesh = kfac.plan.mesh if kfac.plan.collectives.mode == "shard_map" else None
+
+  def restore(x):
+    if isinstance(x, PortableKFACState):
+      return _place(kfac, x)
+    return x if mesh is None else _replicated(mesh, x)
+
+  return jax.tree.map(restore, tree, is_leaf=_is_state)

@@ -8,7 +8,8 @@ traced step with the hyperparameters as traced scalars. Those that only enter
 the step's arithmetic (`RUNTIME`) may be traced: their shape and dtype are
 checked, their values were checked when the initial state was made. Those that
 decide the layout of the state (`STATIC`) must be concrete: `static` says which
-``static_args`` to pass.
+``static_args`` to pass. A ``jax.sharding.Mesh`` is callable, so Optax would
+take it for a schedule: it is listed there too.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ IntOrSchedule = int | Callable[[Array], Any]
 
 
 RUNTIME = ("damping", "factor_decay", "factor_update_steps", "kl_clip", "lr")
-STATIC = ("inv_update_steps", "max_cost_ratio", "grad_worker_fraction", "axis_size")
+STATIC = ("inv_update_steps", "max_cost_ratio", "grad_worker_fraction", "axis_size", "mesh")
 
 
 def is_traced(value: Any) -> bool:

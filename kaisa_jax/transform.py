@@ -42,7 +42,7 @@ from kaisa_jax import assignment, cost, distribution, preconditioning
 from kaisa_jax import factors as factors_lib
 from kaisa_jax import hyperparameters as hp
 from kaisa_jax import layers as layers_lib
-from kaisa_jax.capture import EXCLUDED, Curvature, Layers, Skipped
+from kaisa_jax.capture import EXCLUDED, Curvature, Layers, Skipped, plain_path
 
 Array = jax.Array
 
@@ -179,15 +179,18 @@ class KFAC(optax.GradientTransformationExtraArgs):
 
 
 def _layer_params(tree: Any, plan: Plan, what: str) -> dict[str, dict[str, Array]]:
-  """Each layer's ``kernel``/``bias`` leaves in ``tree``; a clear error if absent."""
-  leaves = dict(jax.tree_util.tree_flatten_with_path(tree)[0])
+  """Each layer's ``kernel``/``bias`` leaves in ``tree``; a clear error if absent.
+
+  NNX leaves are found as variables and as plain arrays alike (`plain_path`).
+  """
+  leaves = {plain_path(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
   out = {}
   for spec, _ in plan.layers:
     entry = {}
     kind = spec.layer_kind
     for key in (kind.weight, kind.bias) if spec.has_bias else (kind.weight,):
       path = (*spec.param_path, jax.tree_util.DictKey(key), *spec.param_suffix)
-      leaf = leaves.get(path)
+      leaf = leaves.get(plain_path(path))
       if leaf is not None and spec.param_index:
         leaf = leaf[spec.param_index]
       if leaf is None:
@@ -756,6 +759,39 @@ def _collectives(
   return distribution.Collectives("single", 1, 1)
 
 
+WARNED_MODULES = 10
+
+
+def _skipped_warning(skipped: Sequence[Skipped]) -> str:
+  """The warning about modules that are not preconditioned: one a line, the first few."""
+  lines = [
+    f"kaisa_jax: {len(skipped)} module(s) with parameters will not be preconditioned (their "
+    "gradients pass through unchanged):",
+    *(f"  {k.name} ({k.module_type}): {k.reason}" for k in skipped[:WARNED_MODULES]),
+  ]
+  if len(skipped) > WARNED_MODULES:
+    lines.append(f"  ... and {len(skipped) - WARNED_MODULES} more; print(tx.plan) lists them all")
+  return "\n".join(lines)
+
+
+def _check_mesh(mesh: Any) -> None:
+  """Raises unless ``mesh`` is ``None`` or a `jax.sharding.Mesh`.
+
+  ``optax.inject_hyperparams`` takes every callable argument for a schedule: a
+  ``Mesh`` is callable, so it arrives here as a function unless it is listed
+  in ``static_args``.
+  """
+  if mesh is None or isinstance(mesh, Mesh):
+    return
+  how = ""
+  if callable(mesh):
+    how = (
+      ": under optax.inject_hyperparams, list mesh in static_args (a Mesh is callable, so "
+      f"inject_hyperparams takes it for a schedule), e.g. static_args={hp.STATIC!r}"
+    )
+  raise TypeError(f"mesh must be a jax.sharding.Mesh from kaisa_jax.make_mesh, got {mesh!r}{how}")
+
+
 def make_plan(
   layers: Layers,
   comm: distribution.Collectives,
@@ -926,6 +962,15 @@ def kfac(
       "kaisa_jax.value_and_grad(loss_fn); kaisa_jax.kfac(grad_fn.layers(params, batch), ...)"
       f"; got {type(layers).__name__}"
     )
+  if not layers.specs:
+    raise ValueError(
+      "kfac has no layer to precondition: the loss calls no layer kind kaisa_jax captures "
+      "(nn.Dense, nn.DenseGeneral, nn.Conv, nn.Embed, their NNX twins, or a type given to "
+      "kaisa_jax.register_layer) on the params it is given. Compute the loss by calling "
+      "model.apply(params, ...) (unjitted) or nnx.merge(graphdef, params) inside it; "
+      f"print(grad_fn.layers(...)) lists what was found:\n{layers}"
+    )
+  _check_mesh(mesh)
   inv_update_steps = hp.static("inv_update_steps", inv_update_steps)
   max_cost_ratio = hp.static("max_cost_ratio", max_cost_ratio)
   grad_worker_fraction = hp.static("grad_worker_fraction", grad_worker_fraction)
@@ -940,8 +985,8 @@ def kfac(
       raise ValueError(
         "kl_clip needs the learning rate: pass lr= (the chained optimizer's), or kl_clip=None"
       )
-  if lr is not None:
-    hp.check_scalar("lr", lr, 0.0, open_low=True)
+  if lr is not None:  # 0 too (a warmup's first step): the chained optimizer then moves nothing
+    hp.check_scalar("lr", lr, 0.0)
   if compute_method not in preconditioning.METHODS:
     raise ValueError(
       f"compute_method must be one of {preconditioning.METHODS}, got {compute_method!r}"
@@ -995,12 +1040,7 @@ def kfac(
   layout = plan.layout
   unsupported = [k for k in layers.skipped if k.reason != EXCLUDED]
   if unsupported:
-    warnings.warn(
-      f"kaisa_jax: {len(unsupported)} module(s) with parameters will not be preconditioned "
-      "(their gradients pass through unchanged): "
-      + ", ".join(f"{k.name} ({k.module_type}: {k.reason})" for k in unsupported),
-      stacklevel=2,
-    )
+    warnings.warn(_skipped_warning(unsupported), stacklevel=2)
   dec_dtype = preconditioning.decomposition_dtype(factor_dtype)
   check_layer = _alignment_layer(plan)
   offsets = stack_offsets(plan)
@@ -1083,11 +1123,11 @@ def kfac(
       for j, i in enumerate(members):
         spec = plan.layers[i][0]
         for key, value in stacked.items():
-          path = (*spec.param_path, jax.tree_util.DictKey(key), *spec.param_suffix)
+          path = plain_path((*spec.param_path, jax.tree_util.DictKey(key), *spec.param_suffix))
           value = _member(value, state.stack_offsets, j).astype(grads[spec.name][key].dtype)
           replacements.setdefault(path, []).append((spec.param_index, value))
     new_updates = jax.tree_util.tree_map_with_path(
-      lambda path, leaf: _replace(leaf, replacements.get(path, ())), updates
+      lambda path, leaf: _replace(leaf, replacements.get(plain_path(path), ())), updates
     )
     return new_updates, state._replace(count=step + 1, kl_scale=nu)
 
