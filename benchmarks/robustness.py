@@ -52,6 +52,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import kaisa_jax
 from experiments import suite
 
 RESULTS = Path(__file__).parent / "results" / "robustness.json"
@@ -62,17 +63,31 @@ LEARNING_RATES = {"sgd": (0.01, 0.03, 0.1, 0.3), "adamw": (3e-4, 1e-3, 3e-3, 1e-
 MAX_EXTENSIONS = 3
 
 
+def curvature_summary(stats: kaisa_jax.CurvatureStatistics) -> dict[str, float]:
+  """The extremes over layers of the relative damping and the condition number."""
+  relative = [float(s.relative_damping) for s in stats.layers.values()]
+  condition = [float(s.condition) for s in stats.layers.values()]
+  return {
+    "min_relative_damping": min(relative),
+    "max_relative_damping": max(relative),
+    "max_condition": max(condition),
+  }
+
+
 def train_seeds(
   run, problem: suite.Problem, seeds: int, lr: float, damping: float | None
-) -> list[float]:
-  out = []
+) -> tuple[list[float], list[dict[str, float]]]:
+  """Final losses over the seeds, and for K-FAC the curvature after each run's last step."""
+  losses, curvature = [], []
   for seed in range(seeds):
     params, state = problem.init(jax.random.key(seed))
     order = suite.batch_order(len(problem.train[0]), problem.batch_size, STEPS, seed)
     damp = None if damping is None else jnp.float32(damping)
-    losses = run(params, state, order, jnp.float32(lr), damp)
-    out.append(suite.final_loss(np.asarray(losses)))
-  return out
+    per_step, stats = run(params, state, order, jnp.float32(lr), damp)
+    losses.append(suite.final_loss(np.asarray(per_step)))
+    if stats is not None:
+      curvature.append(curvature_summary(stats))
+  return losses, curvature
 
 
 def mean(values: list[float]) -> float:
@@ -87,7 +102,7 @@ def tune_baseline(problem: suite.Problem, seeds: int, log) -> dict[str, list[flo
   for _ in range(MAX_EXTENSIONS + 1):
     for lr in grid:
       if repr(lr) not in results:
-        results[repr(lr)] = train_seeds(run, problem, seeds, lr, None)
+        results[repr(lr)] = train_seeds(run, problem, seeds, lr, None)[0]
         log(f"  {problem.optimizer} lr={lr:g}: {mean(results[repr(lr)]):.4g}")
     best = min(grid, key=lambda lr: mean(results[repr(lr)]))
     if best == grid[0]:
@@ -106,23 +121,26 @@ def run_problem(name: str, seeds: int, log) -> dict[str, Any]:
   lr = min(baseline, key=lambda k: mean(baseline[k]))
   log(f"  tuned {problem.optimizer} lr={lr}: {mean(baseline[lr]):.4g}")
   kfac: dict[str, dict[str, list[float]]] = {}
+  curvature: dict[str, dict[str, list[dict[str, float]]]] = {}
   for form in FORMS:
     run = suite.make_run(problem, {"damping_form": form})
-    kfac[form] = {}
+    kfac[form], curvature[form] = {}, {}
     for damping in DAMPINGS:
-      kfac[form][repr(damping)] = train_seeds(run, problem, seeds, float(lr), damping)
-      log(f"  kfac {form} damping={damping:g}: {mean(kfac[form][repr(damping)]):.4g}")
+      key = repr(damping)
+      kfac[form][key], curvature[form][key] = train_seeds(run, problem, seeds, float(lr), damping)
+      log(f"  kfac {form} damping={damping:g}: {mean(kfac[form][key]):.4g}")
   return {
     "optimizer": problem.optimizer,
     "lr": float(lr),
     "baseline": baseline,
     "kfac": kfac,
+    "curvature": curvature,
     "seconds": time.perf_counter() - start,
   }
 
 
-def load() -> dict[str, Any]:
-  return json.loads(RESULTS.read_text()) if RESULTS.exists() else {"problems": {}}
+def load(path: Path) -> dict[str, Any]:
+  return json.loads(path.read_text()) if path.exists() else {"problems": {}}
 
 
 def relative_table(results: dict[str, Any]) -> str:
@@ -191,17 +209,20 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--seeds", type=int, default=3)
   parser.add_argument("--table", action="store_true", help="print the tables of the saved results")
   parser.add_argument("--figure", type=Path, help="draw the saved results into this file")
+  parser.add_argument(
+    "--out", type=Path, default=RESULTS, help="the results file (read, then updated)"
+  )
   args = parser.parse_args(argv)
   if args.seeds < 1:
     parser.error("--seeds must be at least 1")
-  results = load()
+  results = load(args.out)
   if not (args.table or args.figure):
     for name in args.problems:
       print(name, flush=True)
       results["problems"][name] = run_problem(name, args.seeds, lambda s: print(s, flush=True))
       results |= {"steps": STEPS, "tail": suite.TAIL, "seeds": args.seeds, "jax": jax.__version__}
-      RESULTS.parent.mkdir(parents=True, exist_ok=True)
-      RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+      args.out.parent.mkdir(parents=True, exist_ok=True)
+      args.out.write_text(json.dumps(results, indent=1) + "\n")
   print(relative_table(results))
   print()
   print(spread_table(results))

@@ -244,7 +244,7 @@ def batch_order(n: int, batch_size: int, steps: int, seed: int) -> np.ndarray:
 
 
 def make_run(problem: Problem, kfac: dict[str, Any] | None):
-  """``run(params, state, order, lr, damping=None) -> losses``: one training run, jitted.
+  """``run(params, state, order, lr, damping=None) -> (losses, curvature)``: one run, jitted.
 
   ``order`` is ``(steps, batch_size)`` example indices (`batch_order`); the
   run is one `jax.lax.scan` over them, so its learning rate, damping and
@@ -252,7 +252,8 @@ def make_run(problem: Problem, kfac: dict[str, Any] | None):
   `kaisa_jax.kfac` besides ``layers``, ``lr`` and ``damping``; ``{}`` for the
   defaults) K-FAC is chained before the problem's first-order optimizer, with
   ``damping`` if given; ``kfac=None`` trains with that optimizer alone.
-  Returns the loss of every step.
+  Returns the loss of every step and, for K-FAC, its curvature statistics
+  after the last step (`kaisa_jax.curvature_statistics`; ``None`` without K-FAC).
   """
   x, y = (jnp.asarray(a) for a in problem.train)
   grad_fn = kaisa_jax.value_and_grad(problem.loss, has_aux=True, n_examples=problem.n_examples)
@@ -269,7 +270,8 @@ def make_run(problem: Problem, kfac: dict[str, Any] | None):
       args = {**kfac, "lr": lr} | ({} if damping is None else {"damping": damping})
       with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # modules passed through are listed by print(layers)
-        tx = optax.chain(kaisa_jax.kfac(layers, **args), tx)
+        preconditioner = kaisa_jax.kfac(layers, **args)
+      tx = optax.chain(preconditioner, tx)
     opt_state = tx.init(params)
 
     def step(carry, idx):
@@ -283,8 +285,10 @@ def make_run(problem: Problem, kfac: dict[str, Any] | None):
         updates, opt_state = tx.update(grads, opt_state, params, curvature=curvature)
       return (optax.apply_updates(params, updates), state, opt_state), loss
 
-    _, losses = jax.lax.scan(step, (params, state, opt_state), order)
-    return losses
+    (_, _, opt_state), losses = jax.lax.scan(step, (params, state, opt_state), order)
+    if layers is None:
+      return losses, None
+    return losses, kaisa_jax.curvature_statistics(preconditioner, opt_state)
 
   return run
 
