@@ -92,7 +92,7 @@ def costs(task: tasks.Task, name: str, settings: dict[str, Any], b: int, n: int)
   opt_state = tx.init(params)
   step_cost = projection.program_cost(step.lower(params, state, opt_state, x, y).compile())
   if layers is not None:
-    kfac = kaisa_jax.kfac(layers, lr=opt.lr, **opt.kfac)
+    kfac = kaisa_jax.kfac(layers, lr=opt.lr, **optimizers.kfac_arguments(opt.kfac))
     _, grads, curvature = grad_fn(params, state, x, y)
     kfac_state = opt_state.inner_state[0]
     work = projection.kfac_work(kfac, kfac_state, grads, curvature, FACTOR_STEPS, INV_STEPS)

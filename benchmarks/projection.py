@@ -102,7 +102,7 @@ def kfac_work(task: tasks.Task, carry, batch) -> projection.KFACWork:
   params, state, opt_state = carry
   grad_fn = kaisa_jax.value_and_grad(task.loss, has_aux=True, n_examples=task.n_examples())
   layers = grad_fn.layers(params, state, *batch)
-  kfac = kaisa_jax.kfac(layers, lr=KFAC.lr, **KFAC.kfac)
+  kfac = kaisa_jax.kfac(layers, lr=KFAC.lr, **optimizers.kfac_arguments(KFAC.kfac))
   _, grads, curvature = grad_fn(params, state, *batch)
   return projection.kfac_work(
     kfac, opt_state.inner_state[0], grads, curvature, FACTOR_STEPS, INV_STEPS

@@ -29,7 +29,8 @@ Results go to ``benchmarks/results/robustness.json`` (every run's final loss);
 * per form, how far the damping range is from the best damping (largest ratio
   of a damping's final loss to the best damping's, per problem);
 
-and ``--figure PATH`` draws them.
+``--readme`` writes them into README.md (between `BEGIN` and `END`) and
+``--figure PATH`` draws them.
 
 Run: ``python benchmarks/robustness.py [--problems vit gru ...] [--seeds 3]``
 (about an hour on 2 CPU cores for the whole suite); ``python
@@ -114,70 +115,166 @@ def tune_baseline(problem: suite.Problem, seeds: int, log) -> dict[str, list[flo
   return results
 
 
-def run_problem(name: str, seeds: int, log) -> dict[str, Any]:
+def run_problem(
+  name: str,
+  seeds: int,
+  log,
+  forms: tuple[str, ...] = FORMS,
+  dampings: tuple[float, ...] = DAMPINGS,
+  previous: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+  """Tunes the baseline (or reuses ``previous``'s) and trains K-FAC at ``forms`` x ``dampings``."""
   problem = suite.SUITE[name]()
   start = time.perf_counter()
-  baseline = tune_baseline(problem, seeds, log)
-  lr = min(baseline, key=lambda k: mean(baseline[k]))
-  log(f"  tuned {problem.optimizer} lr={lr}: {mean(baseline[lr]):.4g}")
-  kfac: dict[str, dict[str, list[float]]] = {}
-  curvature: dict[str, dict[str, list[dict[str, float]]]] = {}
-  for form in FORMS:
+  out = {"kfac": {}, "curvature": {}, "seconds": 0.0, **(previous or {})}
+  if previous is None:
+    out["baseline"] = tune_baseline(problem, seeds, log)
+    lr = min(out["baseline"], key=lambda k: mean(out["baseline"][k]))
+    out |= {"optimizer": problem.optimizer, "lr": float(lr)}
+  log(f"  tuned {problem.optimizer} lr={out['lr']}: {mean(out['baseline'][repr(out['lr'])]):.4g}")
+  for form in forms:
     run = suite.make_run(problem, {"damping_form": form})
-    kfac[form], curvature[form] = {}, {}
-    for damping in DAMPINGS:
+    for damping in dampings:
       key = repr(damping)
-      kfac[form][key], curvature[form][key] = train_seeds(run, problem, seeds, float(lr), damping)
-      log(f"  kfac {form} damping={damping:g}: {mean(kfac[form][key]):.4g}")
-  return {
-    "optimizer": problem.optimizer,
-    "lr": float(lr),
-    "baseline": baseline,
-    "kfac": kfac,
-    "curvature": curvature,
-    "seconds": time.perf_counter() - start,
-  }
+      losses, curvature = train_seeds(run, problem, seeds, out["lr"], damping)
+      out["kfac"].setdefault(form, {})[key] = losses
+      out["curvature"].setdefault(form, {})[key] = curvature
+      log(f"  kfac {form} damping={damping:g}: {mean(losses):.4g}")
+  out["seconds"] += time.perf_counter() - start
+  return out
 
 
 def load(path: Path) -> dict[str, Any]:
   return json.loads(path.read_text()) if path.exists() else {"problems": {}}
 
 
-def relative_table(results: dict[str, Any]) -> str:
-  """Final loss over the tuned baseline's, per problem (rows) and form x damping (columns)."""
-  problems = results["problems"]
-  head = [f"{f} {d:g}" for f in FORMS for d in DAMPINGS]
+def _ratio(x: float) -> str:
+  return "diverged" if not math.isfinite(x) else f"{x:.2g}"
+
+
+def dampings_of(results: dict[str, Any], form: str) -> list[float]:
+  """Every damping measured for ``form`` on some problem, in increasing order."""
+  keys = {k for r in results["problems"].values() for k in r["kfac"].get(form, {})}
+  return sorted(float(k) for k in keys)
+
+
+def ratio(r: dict[str, Any], form: str, damping: float) -> float:
+  """K-FAC's mean final loss over the tuned baseline's (NaN where not measured)."""
+  losses = r["kfac"].get(form, {}).get(repr(damping))
+  if losses is None:
+    return math.nan
+  return mean(losses) / mean(r["baseline"][repr(r["lr"])])
+
+
+def form_table(results: dict[str, Any], form: str) -> str:
+  """K-FAC's final loss over the tuned baseline's, per problem and damping, for one form."""
+  dampings = dampings_of(results, form)
   lines = [
-    "| model | baseline | " + " | ".join(head) + " |",
-    "|---|---|" + "---|" * len(head),
+    "| model | baseline: lr, final loss | " + " | ".join(f"{d:g}" for d in dampings) + " |",
+    "|---|---|" + "---:|" * len(dampings),
   ]
-  for name, r in problems.items():
+  for name, r in results["problems"].items():
     base = mean(r["baseline"][repr(r["lr"])])
-    cells = [f"{mean(r['kfac'][f][repr(d)]) / base:.2f}" for f in FORMS for d in DAMPINGS]
+    cells = ["" if math.isnan(x) else _ratio(x) for x in (ratio(r, form, d) for d in dampings)]
     lines.append(
-      f"| {name} | {r['optimizer']} {r['lr']:g}: {base:.3g} | " + " | ".join(cells) + " |"
+      f"| {name} | {r['optimizer']} {r['lr']:g}, {base:.3g} | " + " | ".join(cells) + " |"
     )
   return "\n".join(lines)
 
 
-def spread_table(results: dict[str, Any]) -> str:
-  """Per form and problem: the worst damping's final loss over the best damping's."""
+def summary_table(results: dict[str, Any]) -> str:
+  """Per form and damping, over the problems: K-FAC's wins, its worst and its typical ratio."""
   problems = results["problems"]
   lines = [
-    "| form | " + " | ".join(problems) + " | worst |",
-    "|---|" + "---|" * (len(problems) + 1),
+    "| form | damping | K-FAC <= baseline | worst ratio (model) | geometric mean ratio |",
+    "|---|---:|---|---|---:|",
   ]
   for form in FORMS:
-    ratios = []
-    for r in problems.values():
-      finals = [mean(r["kfac"][form][repr(d)]) for d in DAMPINGS]
-      ratios.append(max(finals) / min(finals))
-    cells = [f"{x:.2f}" for x in ratios]
-    lines.append(f"| {form} | " + " | ".join(cells) + f" | {max(ratios):.2f} |")
+    for d in dampings_of(results, form):
+      at = {name: ratio(r, form, d) for name, r in problems.items()}
+      at = {name: x for name, x in at.items() if not math.isnan(x)}
+      worst = max(at, key=at.get)
+      wins = sum(x <= 1.0 for x in at.values())
+      logs = [math.log(x) for x in at.values()]
+      typical = math.exp(float(np.mean(logs))) if all(map(math.isfinite, logs)) else math.inf
+      lines.append(
+        f"| {form} | {d:g} | {wins} of {len(at)} | {_ratio(at[worst])} ({worst}) "
+        f"| {_ratio(typical)} |"
+      )
   return "\n".join(lines)
 
 
+def spread_table(results: dict[str, Any]) -> str:
+  """Per form and problem, over `DAMPINGS`: the worst damping's final loss over the best's."""
+  problems = results["problems"]
+  lines = [
+    "| form | " + " | ".join(problems) + " | worst |",
+    "|---|" + "---:|" * (len(problems) + 1),
+  ]
+  for form in FORMS:
+    spreads = []
+    for r in problems.values():
+      finals = [mean(r["kfac"][form][repr(d)]) for d in DAMPINGS]
+      spreads.append(max(finals) / min(finals))
+    cells = [_ratio(x) for x in spreads]
+    lines.append(f"| {form} | " + " | ".join(cells) + f" | {_ratio(max(spreads))} |")
+  return "\n".join(lines)
+
+
+# Decades of the relative damping by which `curvature_table` groups the runs.
+DECADES = (1e-6, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0, 1e3, 1e4)
+
+
+def curvature_table(results: dict[str, Any], key: str) -> str:
+  """K-FAC runs grouped by ``key`` (the smallest or largest relative damping over the layers
+  after the last step): how many, and how their final loss compares with the baseline's."""
+  groups: dict[int, list[float]] = {}
+  for r in results["problems"].values():
+    base = mean(r["baseline"][repr(r["lr"])])
+    for form, by_damping in r.get("curvature", {}).items():
+      for d, runs in by_damping.items():
+        for loss, c in zip(r["kfac"][form][d], runs, strict=True):
+          at = int(np.searchsorted(DECADES, c[key], side="right"))
+          groups.setdefault(at, []).append(loss / base)
+  edges = ["0", *(f"{x:g}" for x in DECADES), "inf"]
+  lines = [
+    "| relative damping | runs | median ratio | runs worse than 2x the baseline |",
+    "|---|---:|---:|---:|",
+  ]
+  for at in sorted(groups):
+    x = groups[at]
+    worse = sum(v > 2.0 for v in x)
+    lines.append(
+      f"| [{edges[at]}, {edges[at + 1]}) | {len(x)} | {_ratio(float(np.median(x)))} "
+      f"| {worse} ({100 * worse / len(x):.0f} %) |"
+    )
+  return "\n".join(lines)
+
+
+def report(results: dict[str, Any]) -> str:
+  """Every table, as Markdown (what ``--table`` prints and the README holds)."""
+  parts = [
+    f"{results['seeds']} seeds, {results['steps']} steps, final loss the mean of the last "
+    f"{results['tail']}; each cell: K-FAC's mean final loss over the tuned baseline's "
+    "(below 1: K-FAC ahead).",
+  ]
+  for form in FORMS:
+    parts += [f"Damping form `{form}`:", form_table(results, form)]
+  parts += [
+    "Over the models, per form and damping:",
+    summary_table(results),
+    "Worst over the damping range 1e-4..1e-1 of each model's final loss over its best:",
+    spread_table(results),
+    "Runs by the smallest relative damping over their layers after the last step:",
+    curvature_table(results, "min_relative_damping"),
+    "Runs by the largest relative damping over their layers after the last step:",
+    curvature_table(results, "max_relative_damping"),
+  ]
+  return "\n\n".join(parts)
+
+
 def figure(results: dict[str, Any], path: Path) -> None:
+  """Each model's final loss over its baseline's against the damping, one line per form."""
   import matplotlib
 
   matplotlib.use("Agg")
@@ -188,9 +285,9 @@ def figure(results: dict[str, Any], path: Path) -> None:
   rows = -(-len(problems) // cols)
   fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
   for ax, (name, r) in zip(axes.flat, problems.items(), strict=False):
-    base = mean(r["baseline"][repr(r["lr"])])
     for form in FORMS:
-      ax.plot(DAMPINGS, [mean(r["kfac"][form][repr(d)]) / base for d in DAMPINGS], "o-", label=form)
+      dampings = [d for d in dampings_of(results, form) if repr(d) in r["kfac"][form]]
+      ax.plot(dampings, [ratio(r, form, d) for d in dampings], "o-", label=form)
     ax.axhline(1.0, color="gray", lw=1, ls="--")
     ax.set(xscale="log", yscale="log", title=name, xlabel="damping")
   for ax in axes.flat[len(problems) :]:
@@ -201,14 +298,33 @@ def figure(results: dict[str, Any], path: Path) -> None:
   fig.savefig(path, dpi=120)
 
 
+README = Path(__file__).resolve().parents[1] / "README.md"
+BEGIN, END = "<!-- robustness: begin -->", "<!-- robustness: end -->"
+
+
+def with_report(readme: str, results: dict[str, Any]) -> str:
+  """``readme`` with the text between `BEGIN` and `END` replaced by `report`."""
+  head, rest = readme.split(BEGIN)
+  _, tail = rest.split(END)
+  return f"{head}{BEGIN}\n{report(results)}\n{END}{tail}"
+
+
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument(
     "--problems", nargs="+", choices=sorted(suite.SUITE), default=list(suite.SUITE)
   )
   parser.add_argument("--seeds", type=int, default=3)
+  parser.add_argument("--forms", nargs="+", choices=FORMS, default=list(FORMS))
+  parser.add_argument("--dampings", nargs="+", type=float, default=list(DAMPINGS))
+  parser.add_argument(
+    "--reuse-baseline",
+    action="store_true",
+    help="keep each problem's tuned baseline from the results file (train K-FAC only)",
+  )
   parser.add_argument("--table", action="store_true", help="print the tables of the saved results")
   parser.add_argument("--figure", type=Path, help="draw the saved results into this file")
+  parser.add_argument("--readme", action="store_true", help="write the tables into README.md")
   parser.add_argument(
     "--out", type=Path, default=RESULTS, help="the results file (read, then updated)"
   )
@@ -216,16 +332,24 @@ def main(argv: list[str] | None = None) -> None:
   if args.seeds < 1:
     parser.error("--seeds must be at least 1")
   results = load(args.out)
-  if not (args.table or args.figure):
+  if not (args.table or args.figure or args.readme):
     for name in args.problems:
       print(name, flush=True)
-      results["problems"][name] = run_problem(name, args.seeds, lambda s: print(s, flush=True))
+      previous = results["problems"].get(name) if args.reuse_baseline else None
+      results["problems"][name] = run_problem(
+        name,
+        args.seeds,
+        lambda s: print(s, flush=True),
+        tuple(args.forms),
+        tuple(args.dampings),
+        previous,
+      )
       results |= {"steps": STEPS, "tail": suite.TAIL, "seeds": args.seeds, "jax": jax.__version__}
       args.out.parent.mkdir(parents=True, exist_ok=True)
       args.out.write_text(json.dumps(results, indent=1) + "\n")
-  print(relative_table(results))
-  print()
-  print(spread_table(results))
+  print(report(results))
+  if args.readme:
+    README.write_text(with_report(README.read_text(), results))
   if args.figure:
     figure(results, args.figure)
 

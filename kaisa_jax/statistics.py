@@ -145,7 +145,7 @@ def eigenvalues(factor: Array, diagonal: bool) -> Array:
 
 
 def layer_statistics(
-  a: Array, g: Array, method: str, damping: Array, form: str = preconditioning.KAISA
+  a: Array, g: Array, method: str, damping: Array, form: str = preconditioning.DEFAULT_FORM
 ) -> LayerStatistics:
   """The statistics of a layer whose factors have eigenvalues ``a`` and ``g``, ``(groups, d)``.
 
@@ -310,7 +310,9 @@ def curvature_statistics(
         values.append(getattr(decompositions[spec.name], side).values.astype(dtype))
       else:
         values.append(eigenvalues(getattr(factors[spec.name], side), diagonal))
-    layers[spec.name] = layer_statistics(*values, t.method, damp, form)
+    layers[spec.name] = layer_statistics(
+      *values, t.method, damp, transform.layer_damping_form(spec, form)
+    )
   stats = CurvatureStatistics(
     layers,
     damp,

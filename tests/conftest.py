@@ -23,7 +23,10 @@ import jax.numpy as jnp
 
 import kaisa_jax
 
+# Damping as the KAISA reference adds it, (A (x) G + damping I): the form the dense
+# solves of `references.kronecker_solve` check (tests/test_damping.py checks the others).
 EXACT = dict(
+  damping_form="kaisa",
   factor_decay=0.0,
   factor_update_steps=1,
   inv_update_steps=1,
