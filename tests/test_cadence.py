@@ -97,7 +97,12 @@ def test_running_average_is_bias_corrected():
 def test_damping_schedule_is_honoured_step_by_step(x64):
   schedule = lambda step: 0.02 * (1.0 + step)  # noqa: E731
   data, params, grad_fn, tx = setup(
-    jnp.float64, damping=schedule, factor_update_steps=1, inv_update_steps=3, factor_decay=0.0
+    jnp.float64,
+    damping=schedule,
+    damping_form="kaisa",  # the form kronecker_solve checks
+    factor_update_steps=1,
+    inv_update_steps=3,
+    factor_decay=0.0,
   )
   state = tx.init(params)
   update = jax.jit(tx.update)

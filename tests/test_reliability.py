@@ -104,13 +104,16 @@ def _small_problem():
 
 def test_restore_with_another_treatment_converts_and_recomputes(tmp_path):
   params, x, y, grad_fn, layers = _small_problem()
-  kfac = kaisa_jax.kfac(layers, kl_clip=None, factor_update_steps=1, inv_update_steps=50)
+  kaisa = dict(damping=1e-2, damping_form="kaisa")  # each basis below is (F + 1e-2 I)^-1
+  kfac = kaisa_jax.kfac(layers, kl_clip=None, factor_update_steps=1, inv_update_steps=50, **kaisa)
   state = kfac.init(params)
   for _ in range(3):
     _, grads, curvature = grad_fn(params, x, y)
     _, state = kfac.update(grads, state, params, curvature=curvature)
   # Now the inverse method: the eigendecompositions do not apply; recompute them.
-  inverse = kaisa_jax.kfac(layers, kl_clip=None, compute_method="inverse", inv_update_steps=50)
+  inverse = kaisa_jax.kfac(
+    layers, kl_clip=None, compute_method="inverse", inv_update_steps=50, **kaisa
+  )
   _, restored = _save_and_restore(
     tmp_path, kfac, params, state, (inverse, params, inverse.init(params))
   )
@@ -270,6 +273,7 @@ def test_kl_clip_bounds_the_step_in_the_curvature_metric_at_tiny_damping():
   kfac = kaisa_jax.kfac(
     grad_fn.layers(params, batch),
     damping=damping,
+    damping_form="kaisa",  # the metric A (x) G + damping of the docstring
     kl_clip=kl_clip,
     lr=lr,
     factor_update_steps=1,

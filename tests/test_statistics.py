@@ -14,7 +14,7 @@ from distributed_setup import build
 from jax.sharding import PartitionSpec as P
 
 import kaisa_jax
-from kaisa_jax import statistics
+from kaisa_jax import preconditioning, statistics
 
 
 class Net(nn.Module):
@@ -119,12 +119,12 @@ def test_statistics_equal_a_float64_computation_from_the_factors(method):
   assert any(diagonal) == method.endswith("diagonal sides") and not all(diagonal)
   assert {t.method for _, t in kfac.plan.layers} == {METHODS[method]["compute_method"]}
   stats = kaisa_jax.curvature_statistics(kfac, opt_state)
-  reference = _reference(kfac, opt_state[0], 1e-2)  # kfac's default damping
+  reference = _reference(kfac, opt_state[0], preconditioning.DEFAULT_DAMPING)
   _assert_close(stats, reference)
   # Not trivially equal: the layers' conditioning differs, and differs from 1.
   conditions = [v[-1] for v in reference.values()]
   assert min(conditions) > 1.5 and max(conditions) > 1.5 * min(conditions)
-  assert float(stats.damping) == np.float32(1e-2)
+  assert float(stats.damping) == np.float32(preconditioning.DEFAULT_DAMPING)
   state = opt_state[0]
   assert int(stats.steps) == 3 == int(state.count)
   assert int(stats.skipped_factor_updates) == 0 and int(stats.failed_decompositions) == 0
@@ -137,11 +137,13 @@ def test_statistics_of_the_factored_damping_forms(method, form):
   """A factored form damps both sides by shares: the same condition number for either method."""
   kfac, opt_state = _trained(method, damping_form=form)
   stats = kaisa_jax.curvature_statistics(kfac, opt_state)
-  reference = _reference(kfac, opt_state[0], 1e-2)
+  reference = _reference(kfac, opt_state[0], preconditioning.DEFAULT_DAMPING)
   _assert_close(stats, reference)
   if form == "relative":  # the damping is in units of the curvature already
     for s in stats.layers.values():
-      np.testing.assert_allclose(float(s.relative_damping), 1e-2, rtol=1e-5)
+      np.testing.assert_allclose(
+        float(s.relative_damping), preconditioning.DEFAULT_DAMPING, rtol=1e-5
+      )
 
 
 def test_a_damping_schedule_is_read_at_the_last_step():
@@ -301,11 +303,19 @@ def test_the_damping_warning_fires_once(monkeypatch):
     warnings.simplefilter("always")
     fresh = kaisa_jax.curvature_statistics(kfac, kfac.init(Net().init(jax.random.key(1), X)))
     assert np.isinf(float(next(iter(fresh.layers.values())).relative_damping))
-    ok = kaisa_jax.curvature_statistics(kfac, opt_state)  # damping 1e-2: within the thresholds
+    # The relative damping is proportional to the damping: read it at damping 1 (in
+    # jit, where nothing warns), then pick one within the thresholds and two outside.
+    unit = jax.jit(functools.partial(kaisa_jax.curvature_statistics, kfac, damping=1.0))
+    relative = [float(s.relative_damping) for s in unit(opt_state).layers.values()]
+    lowest, highest = (
+      statistics.NEGLIGIBLE_DAMPING / min(relative),
+      statistics.DROWNING_DAMPING / max(relative),
+    )
+    assert lowest < highest  # this model's layers fit between the thresholds at one damping
+    kaisa_jax.curvature_statistics(kfac, opt_state, damping=np.sqrt(lowest * highest))
     assert not caught  # no curvature yet: not flagged; a sensible damping: not flagged
-    relative = [float(s.relative_damping) for s in ok.layers.values()]
-    low = 0.5 * statistics.NEGLIGIBLE_DAMPING / max(relative) * 1e-2
-    high = 2 * statistics.DROWNING_DAMPING / min(relative) * 1e-2
+    low = 0.5 * statistics.NEGLIGIBLE_DAMPING / max(relative)
+    high = 2 * statistics.DROWNING_DAMPING / min(relative)
     for damping, kind, word in ((low, "negligible", "negligible"), (high, "drowning", "drowns")):
       for _ in range(2):
         stats = kaisa_jax.curvature_statistics(kfac, opt_state, damping=damping)
