@@ -12,29 +12,29 @@ other experiment or test tunes anything on):
    ``"kaisa"``) and each damping in `DAMPINGS`, from the same seeds.
 
 The final loss of a run is the mean training loss of its last
-`experiments.suite.TAIL` steps
-(minibatch losses, dropout included). Every run starts from the seed's
-initialisation and visits the seed's batches in the same order. A run whose
-loss becomes non-finite counts as diverged (an infinite final loss).
+`experiments.suite.TAIL` steps (minibatch losses, dropout included). Every run
+starts from the seed's initialisation and visits the seed's batches in the same
+order. A run whose loss becomes non-finite counts as diverged (an infinite
+final loss). Each K-FAC run also records, after its last step, the smallest and
+largest relative damping over its layers and the largest condition number
+(`kaisa_jax.curvature_statistics`).
 
 The runs of one problem and optimizer are one compiled program
 (``jax.lax.scan`` over the steps, learning rate and damping as arguments), so
 the grid costs one compilation per problem and form.
 
-Results go to ``benchmarks/results/robustness.json`` (every run's final loss);
-``--table`` prints the tables from that file without training:
-
-* final loss relative to the tuned baseline (mean over seeds of K-FAC's
-  final loss, divided by the baseline's mean), per problem, form and damping;
-* per form, how far the damping range is from the best damping (largest ratio
-  of a damping's final loss to the best damping's, per problem);
-
-``--readme`` writes them into README.md (between `BEGIN` and `END`) and
+Results go to ``benchmarks/results/robustness.json`` (``--out`` another file);
+``--table`` prints the tables from it without training (`report`): per form,
+K-FAC's final loss over the tuned baseline's for each problem and damping; per
+form and damping, the wins and the worst and typical ratio over the problems;
+per form, the spread over `DAMPINGS`; the runs grouped by their relative
+damping. ``--readme`` writes them into README.md (between `BEGIN` and `END`),
 ``--figure PATH`` draws them.
 
 Run: ``python benchmarks/robustness.py [--problems vit gru ...] [--seeds 3]``
-(about an hour on 2 CPU cores for the whole suite); ``python
-benchmarks/robustness.py --table``.
+(about two hours on 2 CPU cores for the whole suite, most of it the BatchNorm
+ResNet); more dampings for some forms, keeping the tuned baselines:
+``--forms pi relative --dampings 1 10 100 --reuse-baseline``.
 """
 
 from __future__ import annotations

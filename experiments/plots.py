@@ -15,6 +15,17 @@ from experiments.files import atomic_open
 from kaisa_jax import statistics
 
 
+def _save(fig: Any, path: Path) -> None:
+  """Writes ``fig`` to ``path`` (its format from the suffix) atomically, then closes it."""
+  fig.tight_layout()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  try:
+    with atomic_open(path, "wb") as f:
+      fig.savefig(f, format=path.suffix.lstrip(".") or "png", dpi=110)
+  finally:
+    plt.close(fig)
+
+
 def curves(
   seeds: list[list[dict[str, Any]]], key: str
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -67,13 +78,7 @@ def plot_runs(
   for ax in axes.flat:
     ax.grid(alpha=0.3)
     ax.legend()
-  fig.tight_layout()
-  path.parent.mkdir(parents=True, exist_ok=True)
-  try:
-    with atomic_open(path, "wb") as f:
-      fig.savefig(f, format=path.suffix.lstrip(".") or "png", dpi=110)
-  finally:
-    plt.close(fig)
+  _save(fig, path)
 
 
 def worst_layer(seeds: list[list[dict[str, Any]]]) -> str | None:
@@ -145,11 +150,5 @@ def plot_curvature(runs: dict[str, list[list[dict[str, Any]]]], path: Path) -> b
     "damping / (mean eig A x mean eig G)",
     fontsize="medium",
   )
-  fig.tight_layout()
-  path.parent.mkdir(parents=True, exist_ok=True)
-  try:
-    with atomic_open(path, "wb") as f:
-      fig.savefig(f, format=path.suffix.lstrip(".") or "png", dpi=110)
-  finally:
-    plt.close(fig)
+  _save(fig, path)
   return True
