@@ -29,8 +29,8 @@ counts as 1) and ``lambda`` the ``damping`` hyperparameter:
   ``lambda mA mG``: scaling a layer's ``A`` or ``G`` by ``c`` scales its
   preconditioned gradient by ``1 / c``, as the undamped inverse does, so one
   ``lambda`` means the same on every layer and model.
-* ``"pi"``: factored Tikhonov damping with the pi-correction (Martens and
-  Grosse 2015, section 6.3), ``(A + pi sqrt(lambda) I) (x) (G + sqrt(lambda) /
+* ``"pi"`` (`DEFAULT_FORM`): factored Tikhonov damping with the pi-correction
+  (Martens and Grosse 2015, section 6.3), ``(A + pi sqrt(lambda) I) (x) (G + sqrt(lambda) /
   pi I)`` with ``pi = sqrt(mA / mG)``. Eigen:
   ``D = (da + pi sqrt(lambda)) (dg + sqrt(lambda) / pi)^T``; inverse:
   ``sa = pi sqrt(lambda)``, ``sg = sqrt(lambda) / pi``.
@@ -216,7 +216,12 @@ def _rotate_out(v: Array, a: Decomposition, g: Decomposition) -> Array:
 
 
 def precondition(
-  v: Array, a: Decomposition, g: Decomposition, method: str, damping: Array, form: str = KAISA
+  v: Array,
+  a: Decomposition,
+  g: Decomposition,
+  method: str,
+  damping: Array,
+  form: str = DEFAULT_FORM,
 ) -> Array:
   """Preconditioned gradients, ``v`` of shape ``(..., a_dim, g_dim)`` batched like the factors.
 
