@@ -604,14 +604,13 @@ def decompose_factors(
   state: KFACState,
   damping: Array,
   comm: distribution.Collectives,
-  form: str = preconditioning.DEFAULT_FORM,
 ) -> KFACState:
   """Phase 2: each device decomposes the factors it owns; its group receives them.
 
   Each stack of equal shapes is decomposed by one batched call. A decomposition
   that is not finite (a failed ``eigh`` or Cholesky) keeps the factor's previous
   decomposition and is counted. The inverse method damps each factor here by
-  its share of the damping of ``form`` (`preconditioning.side_damping`).
+  its share of the damping of the plan's form (`preconditioning.side_damping`).
   """
   layout = plan.layout
   dtype = preconditioning.decomposition_dtype(state.factors.dtype)
@@ -624,7 +623,7 @@ def decompose_factors(
       out, failures = [], jnp.zeros([], jnp.int32)
       for members, f, o in zip(stacks, new, old, strict=True):
         spec, t = plan.layers[members[0]]
-        shares = _inverse_damping(f, t, damping, layer_damping_form(spec, form))
+        shares = _inverse_damping(f, t, damping, layer_damping_form(spec, plan.damping_form))
         for factor, diag, last, share in zip(f, t.diagonal, o, shares, strict=True):
           arrays = _decomposition_arrays(preconditioning.decompose(factor, t.method, diag, share))
           ok = jnp.stack([preconditioning.finite_per_member(x) for x in arrays]).all(axis=0)
@@ -658,7 +657,6 @@ def precondition_grads(
   dtype: Any,
   comm: distribution.Collectives,
   offsets: Sequence[Array],
-  form: str = preconditioning.DEFAULT_FORM,
 ) -> tuple[Stacks, Array]:
   """Phase 3: the preconditioned gradient matrices, stack by stack, and ``sum <P, V>``.
 
@@ -690,7 +688,7 @@ def precondition_grads(
         for s, (members, dec) in enumerate(zip(mine, decs, strict=True)):
           spec, t = plan.layers[members[0]]
           v = _select(matrices, members)
-          layer_form = layer_damping_form(spec, form)
+          layer_form = layer_damping_form(spec, plan.damping_form)
 
           def fn(v, a, g, d, method=t.method, layer_form=layer_form):
             return preconditioning.precondition(v, a, g, method, d, layer_form)
@@ -1118,11 +1116,11 @@ def kfac(
     every = hp.at(inv_update_steps, step, jnp.int32)
     state = jax.lax.cond(
       (step % every == 0) | state.refresh,
-      lambda: decompose_factors(plan, state, damp, comm, damping_form),
+      lambda: decompose_factors(plan, state, damp, comm),
       lambda: state,
     )
     preconditioned, vg_sum = precondition_grads(
-      plan, grads, state.decompositions, damp, dec_dtype, comm, state.stack_offsets, damping_form
+      plan, grads, state.decompositions, damp, dec_dtype, comm, state.stack_offsets
     )
     nu = in_order  # exactly 1: the product leaves every bit as it was
     if kl_clip is not None:
