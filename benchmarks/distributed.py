@@ -27,7 +27,8 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import kaisa_jax  # noqa: E402
-from kaisa_jax import GRAD_WORKERS, RECEIVERS, accounting  # noqa: E402
+from kaisa_jax import GRAD_WORKERS, RECEIVERS, communication  # noqa: E402
+from kaisa_jax.analysis import accounting  # noqa: E402
 
 FACTOR_STEPS, INV_STEPS = 10, 100
 FRACTIONS = ("1/8", "1/4", "1/2", "1")
@@ -128,9 +129,9 @@ def kib(n: float) -> str:
 
 def main() -> None:
   phases = (
-    accounting.FACTOR_REDUCTION,
-    accounting.DECOMPOSITION_SHARING,
-    accounting.GRADIENT_SHARING,
+    communication.FACTOR_REDUCTION,
+    communication.DECOMPOSITION_SHARING,
+    communication.GRADIENT_SHARING,
   )
   print(
     f"{jax.device_count()} devices, cadence ({FACTOR_STEPS}, {INV_STEPS}); KiB per device; "
@@ -147,10 +148,10 @@ def main() -> None:
       kfac, state, compiled, n = setup(name, fraction)
       factors = state.factors.addressable_shards[0].data.nbytes
       decomps = state.decompositions.addressable_shards[0].data.nbytes
-      measured = accounting.per_step(
+      measured = communication.per_step(
         accounting.hlo_collectives(compiled, n), FACTOR_STEPS, INV_STEPS
       )
-      ours, reference = accounting.communication_model(kfac.plan)
+      ours, reference = communication.communication_model(kfac.plan)
       model = ours.per_step(FACTOR_STEPS, INV_STEPS)
       ref_traffic = sum(reference.per_step(FACTOR_STEPS, INV_STEPS).values())
       cells = " ".join(f"{kib(measured[p])} ({kib(model[p]).strip():>7})" for p in phases)
@@ -163,7 +164,7 @@ def main() -> None:
     plan = kfac.plan
     print(f"{len(plan.layers)} preconditioned layers; {str(plan).splitlines()[-1]}")
     print(
-      f"data-parallel gradient all-reduce (not K-FAC's): {kib(measured[accounting.OTHER])} KiB per step"
+      f"data-parallel gradient all-reduce (not K-FAC's): {kib(measured[communication.OTHER])} KiB per step"
     )
 
 

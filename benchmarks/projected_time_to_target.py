@@ -6,7 +6,7 @@ of the study where every seed reached the target, and ``N = 1, 2, 4, ..., 64``
 devices (per-device batch ``b = B / N``)::
 
   time to target (N, B) = steps to target at B      (measured on this CPU; steps do not depend on hardware)
-                        x seconds per step (N, b)    (PROJECTED: kaisa_jax.projection, per preset cluster)
+                        x seconds per step (N, b)    (PROJECTED: kaisa_jax.analysis.projection, per preset cluster)
 
 The step is compiled for one device at the per-device batch; K-FAC's layers
 are weighed at the global batch (as `kaisa_jax.kfac` on ``N`` devices weighs
@@ -46,10 +46,10 @@ from experiments import optimizers, tasks
 from experiments.files import write_text
 from experiments.report import NAMES
 from experiments.train import make_step
-from kaisa_jax import projection
+from kaisa_jax.analysis import projection
 
 DEVICES = (1, 2, 4, 8, 16, 32, 64)
-PRESETS = (projection.DGX_A100, projection.DGX_H100)
+PRESETS = (kaisa_jax.DGX_A100, kaisa_jax.DGX_H100)
 FACTOR_STEPS, INV_STEPS = 10, 100  # experiments.optimizers' K-FAC cadence
 BEGIN = "<!-- projected table: written by benchmarks/projected_time_to_target.py -->"
 END = "<!-- end of projected table -->"
@@ -126,7 +126,7 @@ def local_layers(task: tasks.Task, b: int) -> kaisa_jax.Layers:
   return grad_fn.layers(params, state, x, y)
 
 
-def seconds_per_step(c: Costs, cluster: projection.Cluster, n: int, layers: kaisa_jax.Layers):
+def seconds_per_step(c: Costs, cluster: kaisa_jax.Cluster, n: int, layers: kaisa_jax.Layers):
   """Projected seconds per step on ``n`` devices, and K-FAC's fraction (``layers`` per device)."""
   if c.work is None:
     t = projection.project_step(c.step, cluster, n, gradient_bytes=c.gradient_bytes)

@@ -1,9 +1,9 @@
-"""Validation of the projected step time (`kaisa_jax.projection`) against this machine.
+"""Validation of the projected step time (`kaisa_jax.analysis.projection`) against this machine.
 
-This machine is described by `kaisa_jax.projection.measure_host`; each
+This machine is described by `kaisa_jax.analysis.projection.measure_host`; each
 model's SGD and K-FAC steps (factors every 10 steps, decompositions every 100,
 batch 128) are compiled for one device, projected from XLA's cost analysis, and
-timed: SGD, K-FAC and the host's probes (`kaisa_jax.projection.host_probes`:
+timed: SGD, K-FAC and the host's probes (`kaisa_jax.analysis.projection.host_probes`:
 dense layers 16 to 1024 wide, a stream, chains of tiny kernels) take turns in
 blocks of 100 calls (whole cadence cycles), the median block mean is reported,
 and the projection uses the rates the probes gave in those same turns. The
@@ -39,7 +39,8 @@ from step_time import MLP, interleaved_seconds, keep_freed_memory, page_faults
 import kaisa_jax
 from experiments import optimizers, tasks
 from experiments.train import make_step
-from kaisa_jax import projection
+from kaisa_jax import cluster as cluster_lib
+from kaisa_jax.analysis import projection
 
 BATCH = 128
 SGD = optimizers.Optimizer("sgd", 0.01)
@@ -136,7 +137,7 @@ def main() -> None:
     f"{'projected ms':>12} {'projected/measured':>18} {'faults/step':>11} {'temp MB':>7}"
   )
   try:  # the data-sheet preset of this device, where there is one (A100, H100)
-    preset = projection.cluster_of(jax.devices()[0])
+    preset = cluster_lib.cluster_of(jax.devices()[0])
   except ValueError:
     preset = None
   if preset is not None:
@@ -166,7 +167,7 @@ def main() -> None:
       f"{host.memory_bandwidth / 1e9:.1f} GB/s, {1e6 * host.kernel_overhead:.2f} us per kernel; "
       "dense probes at W = "
       + ", ".join(
-        f"{w}: {r / 1e9:.0f}" for w, r in zip(projection.MATMUL_WIDTHS, host.matmul_rates)
+        f"{w}: {r / 1e9:.0f}" for w, r in zip(cluster_lib.MATMUL_WIDTHS, host.matmul_rates)
       )
       + " GFLOP/s"
     )

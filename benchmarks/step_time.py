@@ -34,7 +34,8 @@ import jax.numpy as jnp
 import optax
 
 import kaisa_jax
-from kaisa_jax import distribution, projection, transform
+from kaisa_jax import distribution, transform
+from kaisa_jax.analysis import projection
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from experiments.tasks import MNIST1DCNN

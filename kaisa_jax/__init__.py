@@ -12,14 +12,17 @@ Distributed: ``mesh = kaisa_jax.make_mesh("hybrid_opt")`` and
 ``kaisa_jax.kfac(layers, mesh=mesh, ...)`` under ``jax.shard_map``, or
 ``kaisa_jax.kfac(layers, axis_name="batch", grad_worker_fraction=...)`` under
 ``jax.pmap``. Which fraction: ``print(kaisa_jax.plan_fractions(layers, n,
-kaisa_jax.projection.DGX_A100))``. A custom layer: ``kaisa_jax.register_layer(MyLayer, weight="w")``.
+kaisa_jax.DGX_A100))``. A custom layer: ``kaisa_jax.register_layer(MyLayer, weight="w")``.
+Tools that measure and project a compiled step (HLO costs, collectives, host
+probes) are in `kaisa_jax.analysis`, which ``import kaisa_jax`` does not load.
 What the preconditioner sees, per layer (eigenvalues, relative damping, condition
 number) and K-FAC's health counters: ``kaisa_jax.curvature_statistics(kfac, opt_state)``.
 """
 
-from kaisa_jax import accounting, projection, statistics
+from kaisa_jax import statistics
 from kaisa_jax.capture import LayerCurvature, Layers, ValueAndGrad, value_and_grad
 from kaisa_jax.checkpointing import PortableKFACState, from_portable, to_portable
+from kaisa_jax.cluster import DGX_A100, DGX_H100, Cluster
 from kaisa_jax.distribution import GRAD_WORKERS, RECEIVERS, make_mesh
 from kaisa_jax.layers import register_layer
 from kaisa_jax.planning import FractionPlan, plan_fractions
@@ -35,9 +38,12 @@ from kaisa_jax.transform import (
 )
 
 __all__ = [
+  "DGX_A100",
+  "DGX_H100",
   "GRAD_WORKERS",
   "KFAC",
   "RECEIVERS",
+  "Cluster",
   "CurvatureStatistics",
   "FractionPlan",
   "KFACState",
@@ -46,7 +52,6 @@ __all__ = [
   "Plan",
   "PortableKFACState",
   "ValueAndGrad",
-  "accounting",
   "check_damping",
   "curvature_statistics",
   "from_portable",
@@ -56,7 +61,6 @@ __all__ = [
   "make_mesh",
   "partition_specs",
   "plan_fractions",
-  "projection",
   "register_layer",
   "statistics",
   "to_portable",

@@ -9,12 +9,12 @@ gradients less. `plan_fractions` lays the layers out for every valid ``f`` on
 
 * second-order memory: the factor buffer and the decomposition buffers of the
   group, in bytes (exact: these are the shapes of `kaisa_jax.KFACState`);
-* K-FAC's projected seconds per step (a model, `kaisa_jax.projection`):
+* K-FAC's projected seconds per step (a model):
   factor statistics of every layer on the device's rows (every
   ``factor_update_steps``), decompositions of the factors it owns (every
   ``inv_update_steps``) and preconditioning of its group's layers (every
   step), in flops from `kaisa_jax.cost` over the cluster's FLOP/s; plus the
-  collectives of each phase (`kaisa_jax.projection.modelled_collectives`).
+  collectives of each phase (`kaisa_jax.modelled_collectives`).
   The model's own forward and backward pass is the same for every ``f`` and
   left out.
 
@@ -30,8 +30,11 @@ from typing import Any
 
 import numpy as np
 
-from kaisa_jax import cost, distribution, preconditioning, projection, transform
+from kaisa_jax import assignment, cost, distribution, preconditioning
 from kaisa_jax.capture import Layers
+from kaisa_jax.cluster import Cluster
+from kaisa_jax.communication import communication_seconds, modelled_collectives
+from kaisa_jax.plan import Plan, make_plan
 
 PLANNED_AXIS = "planned"
 
@@ -83,7 +86,7 @@ class FractionPlan:
   """
 
   devices: int
-  cluster: projection.Cluster
+  cluster: Cluster
   memory_budget: float | None
   options: tuple[FractionOption, ...]
   recommended: fractions.Fraction | None
@@ -116,15 +119,42 @@ def _bytes(n: float) -> str:
   return f"{n / 2**10:.1f} KiB"
 
 
+def layout_for(plan: Plan, devices: int, fraction: float | str) -> assignment.Layout:
+  """The layout `kaisa_jax.kfac` makes for ``plan``'s layers on ``devices`` with ``fraction``."""
+  cols = distribution.grad_workers(fraction, devices)
+  return assignment.make_layout(plan.layers, devices // cols, cols, plan.layout.cost_kind)
+
+
+def busiest_flops(plan: Plan, layout: assignment.Layout) -> tuple[float, float]:
+  """Flops of the decompositions the busiest device owns, and of the preconditioning the busiest group runs.
+
+  From `kaisa_jax.cost`; SPMD makes every device wait for the busiest.
+  """
+  dec = [cost.decomposition_flops(s, t) for s, t in plan.layers]
+  pre = [cost.preconditioning_flops(s, t) for s, t in plan.layers]
+  devices = [(r, c) for r in range(layout.rows) for c in range(layout.cols)]
+  return (
+    max(sum(dec[i] for i in layout.owned(*d)) for d in devices),
+    max(sum(pre[i] for i in layout.group(r)) for r in range(layout.rows)),
+  )
+
+
+def busiest_shares(plan: Plan, layout: assignment.Layout) -> tuple[float, float]:
+  """`busiest_flops` as shares of all the layers' decomposition and preconditioning flops."""
+  dec, pre = busiest_flops(plan, layout)
+  dec_all, pre_all = busiest_flops(plan, layout_for(plan, 1, 1))
+  return dec / max(dec_all, 1.0), pre / max(pre_all, 1.0)
+
+
 def _compute_seconds(
-  plan: transform.Plan,
-  cluster: projection.Cluster,
+  plan: Plan,
+  cluster: Cluster,
   factor_update_steps: int,
   inv_update_steps: int,
 ) -> float:
   """Per-device K-FAC compute per step of the busiest device, from `kaisa_jax.cost`."""
   factors = sum(cost.factor_flops(s, t) for s, t in plan.layers)
-  decompositions, preconditioning_flops = projection.busiest_flops(plan, plan.layout)
+  decompositions, preconditioning_flops = busiest_flops(plan, plan.layout)
   flops = factors / factor_update_steps + decompositions / inv_update_steps + preconditioning_flops
   return flops / cluster.flops_per_s
 
@@ -132,7 +162,7 @@ def _compute_seconds(
 def plan_fractions(
   layers: Layers,
   n_devices: int,
-  cluster: projection.Cluster,
+  cluster: Cluster,
   memory_budget: float | None = None,
   *,
   factor_update_steps: int = 10,
@@ -148,13 +178,13 @@ def plan_fractions(
     layers: the model's layers traced at the per-device batch
       (``grad_fn.layers(params, local_batch)``).
     n_devices: ``N``, the data-parallel devices.
-    cluster: the hardware (`kaisa_jax.projection.DGX_A100`, ``DGX_H100``, or a
-      `kaisa_jax.projection.Cluster` of your own).
+    cluster: the hardware (`kaisa_jax.DGX_A100`, ``DGX_H100``, or a
+      `kaisa_jax.Cluster` of your own).
     memory_budget: bytes per device K-FAC's factors and decompositions may use
       (``None``: no limit).
-    factor_update_steps, inv_update_steps, compute_method, max_cost_ratio,
-      assignment_cost, factor_dtype: as given to `kaisa_jax.kfac`; they decide
-      each layer's treatment, its owner and the cadence of the phases.
+    factor_update_steps, inv_update_steps, compute_method, max_cost_ratio, assignment_cost, factor_dtype:
+      as given to `kaisa_jax.kfac`; they decide each layer's treatment, its owner and the cadence
+      of the phases.
 
   Returns:
     A `FractionPlan`; ``print`` it for a table, pass ``.recommended`` as
@@ -166,10 +196,9 @@ def plan_fractions(
     )
   if isinstance(n_devices, bool) or not isinstance(n_devices, int) or n_devices < 1:
     raise ValueError(f"n_devices must be an int >= 1, got {n_devices!r}")
-  if not isinstance(cluster, projection.Cluster):
+  if not isinstance(cluster, Cluster):
     raise TypeError(
-      f"cluster must be a kaisa_jax.projection.Cluster (e.g. kaisa_jax.projection.DGX_A100), "
-      f"got {type(cluster).__name__}"
+      f"cluster must be a kaisa_jax.Cluster (e.g. kaisa_jax.DGX_A100), got {type(cluster).__name__}"
     )
   if memory_budget is not None and not (np.isfinite(memory_budget) and memory_budget > 0):
     raise ValueError(
@@ -190,7 +219,7 @@ def plan_fractions(
   options = []
   for w in (w for w in range(1, n_devices + 1) if n_devices % w == 0):
     comm = distribution.Collectives("pmap", n_devices // w, w, PLANNED_AXIS)
-    plan = transform.make_plan(
+    plan = make_plan(
       layers,
       comm,
       compute_method=compute_method,
@@ -202,10 +231,10 @@ def plan_fractions(
     layout = plan.layout
     factor_memory = layout.factor_size * factor_dtype.itemsize
     decomposition_memory = layout.cols * layout.decomposition_size * dec_itemsize
-    collectives = projection.modelled_collectives(
+    collectives = modelled_collectives(
       layout, n_devices, gradient_bytes=None, itemsize=factor_dtype.itemsize
     )
-    communication = projection.communication_seconds(
+    communication = communication_seconds(
       cluster, collectives, n_devices, w, factor_update_steps, inv_update_steps
     )
     memory = factor_memory + decomposition_memory

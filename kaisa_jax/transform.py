@@ -26,7 +26,6 @@ agrees with one computed layer by layer to float32 rounding.
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -43,6 +42,9 @@ from kaisa_jax import factors as factors_lib
 from kaisa_jax import hyperparameters as hp
 from kaisa_jax import layers as layers_lib
 from kaisa_jax.capture import EXCLUDED, Curvature, Layers, Skipped, plain_path
+from kaisa_jax.cluster import cluster_of
+from kaisa_jax.plan import Plan, collectives_for, make_plan
+from kaisa_jax.planning import plan_fractions
 
 Array = jax.Array
 
@@ -108,63 +110,6 @@ class LayerDecompositions(NamedTuple):
 
   a: preconditioning.Decomposition
   g: preconditioning.Decomposition
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-  """Every layer with its treatment and its place, and what is not preconditioned."""
-
-  layers: tuple[tuple[layers_lib.LayerSpec, cost.Treatment], ...]
-  skipped: tuple[Skipped, ...]
-  layout: assignment.Layout
-  inv_update_steps: int
-  collectives: distribution.Collectives
-  mesh: Mesh | None
-  factor_dtype: Any
-  damping_form: str = preconditioning.DEFAULT_FORM
-
-  def __str__(self) -> str:
-    w = max([28, *(len(x.name) + 1 for x in (*(s for s, _ in self.layers), *self.skipped))])
-    k = max([6, *(len(s.kind) for s, _ in self.layers)])
-    lines = [
-      f"{'layer':<{w}} {'kind':<{k}} {'A':>12} {'G':>12}  {'treatment':<22} {'cost/layer':>10}"
-      f" {'group':>5} {'worker':>6} {'stack':>5}"
-    ]
-    layout = self.layout
-    for (spec, t), (row, col), stack in zip(
-      self.layers, layout.owners, layout.stack_ids, strict=True
-    ):
-      sides = []
-      for dim, diag in zip((spec.a_dim, spec.g_dim), t.diagonal, strict=True):
-        shape = f"{dim}" if diag else f"{dim}x{dim}"
-        sides.append(f"{spec.groups}x{shape}" if spec.groups > 1 else shape)
-      ratio = cost.step_cost_ratio(_whole_batch(spec, self.collectives), t, self.inv_update_steps)
-      lines.append(
-        f"{spec.name:<{w}} {spec.kind:<{k}} {sides[0]:>12} {sides[1]:>12}  {t!s:<22}"
-        f" {ratio:>9.2f}x {row:>5} {col:>6} {stack:>5}"
-      )
-    for x in self.skipped:
-      lines.append(f"{x.name:<{w}} not preconditioned ({x.module_type}): {x.reason}")
-    real = sum(assignment.size(assignment.factor_shapes(s, t)) for s, t in self.layers)
-    slack = layout.devices * layout.factor_size / max(real, 1) - 1
-    lines.append(
-      f"{layout.rows} group(s) x {layout.cols} grad worker(s), assignment by "
-      f"{layout.cost_kind} cost; factor buffer {layout.factor_size} elements per device "
-      f"({100 * slack:.0f}% balance slack); {len(layout.all_stacks())} stack(s) of equal layers, "
-      "each decomposed and preconditioned as one batch"
-    )
-    return "\n".join(lines)
-
-
-def _whole_batch(
-  spec: layers_lib.LayerSpec, comm: distribution.Collectives
-) -> layers_lib.LayerSpec:
-  """The layer as the cost rule weighs it: the rows of the whole data-parallel batch.
-
-  Layers are traced with one device's batch; weighing the whole batch makes a
-  layer's treatment independent of the device count.
-  """
-  return dataclasses.replace(spec, rows=spec.rows * comm.size)
 
 
 class KFAC(optax.GradientTransformationExtraArgs):
@@ -732,42 +677,6 @@ def precondition_grads(
   return preconditioned, vg_sum
 
 
-def _collectives(
-  grad_worker_fraction: float | str | None,
-  mesh: Mesh | None,
-  axis_name: str | None,
-  axis_size: int | None,
-) -> distribution.Collectives:
-  if mesh is not None and axis_name is not None:
-    raise ValueError("pass mesh= (for shard_map) or axis_name= (for pmap), not both")
-  if axis_size is not None and axis_name is None:
-    raise ValueError("axis_size goes with axis_name (pmap)")
-  if grad_worker_fraction is not None:
-    distribution.check_fraction(grad_worker_fraction)
-  if mesh is not None:
-    if tuple(mesh.axis_names) != (distribution.RECEIVERS, distribution.GRAD_WORKERS):
-      raise ValueError(
-        f"mesh must have axes {(distribution.RECEIVERS, distribution.GRAD_WORKERS)}; "
-        f"make it with kaisa_jax.make_mesh, got {mesh.axis_names}"
-      )
-    rows, cols = mesh.devices.shape
-    if grad_worker_fraction is not None:
-      w = distribution.grad_workers(grad_worker_fraction, mesh.size)
-      if w != cols:
-        raise ValueError(
-          f"grad_worker_fraction={grad_worker_fraction!r} means {w} grad workers, but the "
-          f"mesh has {cols}; leave grad_worker_fraction out to use the mesh's"
-        )
-    return distribution.Collectives("shard_map", rows, cols)
-  if axis_name is not None:
-    n = jax.device_count() if axis_size is None else axis_size
-    if not isinstance(n, int) or n < 1:
-      raise ValueError(f"axis_size must be a positive int, got {axis_size!r}")
-    w = distribution.grad_workers(grad_worker_fraction or "comm_opt", n)
-    return distribution.Collectives("pmap", n // w, w, axis_name)
-  return distribution.Collectives("single", 1, 1)
-
-
 WARNED_MODULES = 10
 
 
@@ -801,41 +710,6 @@ def _check_mesh(mesh: Any) -> None:
   raise TypeError(f"mesh must be a jax.sharding.Mesh from kaisa_jax.make_mesh, got {mesh!r}{how}")
 
 
-def make_plan(
-  layers: Layers,
-  comm: distribution.Collectives,
-  mesh: Mesh | None = None,
-  *,
-  compute_method: str,
-  inv_update_steps: int,
-  max_cost_ratio: float | None,
-  assignment_cost: str,
-  factor_dtype: Any,
-  damping_form: str = preconditioning.DEFAULT_FORM,
-) -> Plan:
-  """Each layer's treatment (`kaisa_jax.cost`) and owner (`kaisa_jax.assignment`) on ``comm``'s devices."""
-  treated = tuple(
-    (
-      spec,
-      cost.choose_treatment(
-        _whole_batch(spec, comm), compute_method, inv_update_steps, max_cost_ratio
-      ),
-    )
-    for spec in layers.specs
-  )
-  layout = assignment.make_layout(treated, comm.rows, comm.cols, assignment_cost)
-  return Plan(
-    treated,
-    layers.skipped,
-    layout,
-    inv_update_steps,
-    comm,
-    mesh,
-    jnp.dtype(factor_dtype),
-    damping_form,
-  )
-
-
 def _auto_fraction(
   layers: Layers, mesh: Mesh | None, axis_name: str | None, axis_size: int | None, **settings
 ) -> Any:
@@ -844,10 +718,8 @@ def _auto_fraction(
   A `fractions.Fraction`, or ``"comm_opt"`` on one device (nothing to choose).
 
   The cluster is the preset for the first device's kind
-  (`kaisa_jax.projection.cluster_of`), with no memory budget.
+  (`kaisa_jax.cluster.cluster_of`), with no memory budget.
   """
-  from kaisa_jax import planning, projection  # they build on this module
-
   if mesh is not None:
     raise ValueError(
       "grad_worker_fraction='auto' cannot change a mesh's shape: build the mesh with "
@@ -856,8 +728,8 @@ def _auto_fraction(
   if axis_name is None:
     return "comm_opt"  # one device: nothing to choose
   n = jax.device_count() if axis_size is None else axis_size
-  cluster = projection.cluster_of(jax.devices()[0])
-  choice = planning.plan_fractions(layers, n, cluster, **settings)
+  cluster = cluster_of(jax.devices()[0])
+  choice = plan_fractions(layers, n, cluster, **settings)
   return choice.recommended
 
 
@@ -944,7 +816,7 @@ def kfac(
       ``"hybrid_opt"`` (1/2) or ``"mem_opt"`` (``1/N``), or ``"auto"``
       (with ``axis_name=``): the fraction `kaisa_jax.plan_fractions`
       recommends for the preset cluster of the device kind
-      (`kaisa_jax.projection.cluster_of`: A100, H100; others raise). With
+      (`kaisa_jax.cluster.cluster_of`: A100, H100; others raise). With
       ``mesh=`` it defaults to the mesh's. No effect on a single device.
     mesh: for a train step under ``jax.shard_map``: the mesh from
       `kaisa_jax.make_mesh`. ``init`` then returns the state sharded over it
@@ -1037,7 +909,7 @@ def kfac(
       assignment_cost=assignment_cost,
       factor_dtype=factor_dtype,
     )
-  comm = _collectives(grad_worker_fraction, mesh, axis_name, axis_size)
+  comm = collectives_for(grad_worker_fraction, mesh, axis_name, axis_size)
   plan = make_plan(
     layers,
     comm,

@@ -15,7 +15,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import kaisa_jax
-from kaisa_jax import accounting, distribution
+from kaisa_jax import communication, distribution
+from kaisa_jax.analysis import accounting
 
 STEPS = 20
 CONFIGS = [(n, f) for n in (1, 2, 4, 8) for f in distribution.valid_fractions(n)]
@@ -132,32 +133,32 @@ def test_second_order_state_is_sharded():
 def test_collectives_in_compiled_step_match_the_model(fraction):
   fn, (params, state), inputs, kfac = build("cnn", "shard_map", 8, fraction, 1, chained=True)
   collectives = accounting.hlo_collectives(fn.lower(params, state, *inputs[0]).compile(), 8)
-  measured = {phase: 0.0 for phase in (*accounting.per_step([], 1, 1), accounting.CHAIN_CHECK)}
+  measured = {phase: 0.0 for phase in (*communication.per_step([], 1, 1), communication.CHAIN_CHECK)}
   for c in collectives:
     measured[c.phase] += c.moved_bytes
-  model, _ = accounting.communication_model(kfac.plan)
+  model, _ = communication.communication_model(kfac.plan)
   expected = {
-    accounting.FACTOR_REDUCTION: model.factor_reduction,
-    accounting.DECOMPOSITION_SHARING: model.decomposition_sharing,
-    accounting.GRADIENT_SHARING: model.gradient_sharing,
+    communication.FACTOR_REDUCTION: model.factor_reduction,
+    communication.DECOMPOSITION_SHARING: model.decomposition_sharing,
+    communication.GRADIENT_SHARING: model.gradient_sharing,
   }
   for phase, value in expected.items():
     assert abs(measured[phase] - value) <= 0.1 * value, (phase, measured[phase], value)
-  assert expected[accounting.FACTOR_REDUCTION] > 0
+  assert expected[communication.FACTOR_REDUCTION] > 0
   gathers = {
     phase: sum(c.moved_bytes for c in collectives if c.phase == phase and c.kind == "all-gather")
     for phase in expected
   }
   if fraction == "1":  # COMM-OPT: no preconditioned gradient is gathered
-    assert gathers[accounting.GRADIENT_SHARING] == 0
+    assert gathers[communication.GRADIENT_SHARING] == 0
   if fraction == "1/8":  # MEM-OPT: no decomposition is gathered
-    assert gathers[accounting.DECOMPOSITION_SHARING] == 0
+    assert gathers[communication.DECOMPOSITION_SHARING] == 0
   assert (
-    gathers[accounting.GRADIENT_SHARING if fraction != "1" else accounting.DECOMPOSITION_SHARING]
+    gathers[communication.GRADIENT_SHARING if fraction != "1" else communication.DECOMPOSITION_SHARING]
     > 0
   )
   # The data-parallel gradient all-reduce is there too, attributed to no phase.
-  assert measured[accounting.OTHER] > 0
+  assert measured[communication.OTHER] > 0
 
 
 def _free_port() -> int:

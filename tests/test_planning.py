@@ -1,4 +1,4 @@
-"""The projection of step times (`kaisa_jax.projection`) and the fraction planner.
+"""The projection of step times (`kaisa_jax.analysis.projection`) and the fraction planner.
 
 Layout sizes are exact, so the planner's memory is checked against numbers
 worked out by hand and against the buffers of real states on 8 devices; times
@@ -22,7 +22,9 @@ from distributed_setup import build
 from sklearn.datasets import load_digits
 
 import kaisa_jax
-from kaisa_jax import accounting, projection, transform
+from kaisa_jax import cluster as cluster_lib
+from kaisa_jax import communication, transform
+from kaisa_jax.analysis import accounting, projection
 
 
 class TwoDense(nn.Module):
@@ -39,7 +41,7 @@ def two_dense_layers(batch: int = 16):
   return grad_fn.layers(params, x)
 
 
-CLUSTER = projection.Cluster(
+CLUSTER = kaisa_jax.Cluster(
   name="test",
   flops_per_s=1e9,
   memory_bandwidth=1e10,
@@ -147,11 +149,11 @@ def test_memory_equals_the_buffers_of_real_states_on_8_devices():
 def test_auto_uses_the_planner_for_the_device_kind(monkeypatch):
   layers = two_dense_layers()
   with pytest.raises(ValueError, match="plan_fractions"):
-    projection.cluster_of(jax.devices()[0])  # a CPU: no preset
+    cluster_lib.cluster_of(jax.devices()[0])  # a CPU: no preset
   slow_flops = dataclasses.replace(
     CLUSTER, latency=1e-12, flops_per_s=1.0, intra_node_bandwidth=1e18
   )
-  monkeypatch.setattr(projection, "cluster_of", lambda device: slow_flops)
+  monkeypatch.setattr(transform, "cluster_of", lambda device: slow_flops)
   kfac = kaisa_jax.kfac(
     layers, axis_name="batch", axis_size=2, grad_worker_fraction="auto", kl_clip=None
   )
@@ -190,7 +192,7 @@ def test_cluster_rejects_bad_figures():
   with pytest.raises(ValueError, match="matmul_rates"):
     dataclasses.replace(CLUSTER, matmul_rates=(1e9,) * 3)
   with pytest.raises(ValueError, match="matmul_rates"):
-    dataclasses.replace(CLUSTER, matmul_rates=(0.0,) * len(projection.MATMUL_SIZES))
+    dataclasses.replace(CLUSTER, matmul_rates=(0.0,) * len(cluster_lib.MATMUL_SIZES))
 
 
 # ------------------------------------------------------------------------- projection
@@ -235,11 +237,11 @@ def test_products_and_convolutions_are_counted_by_size_and_run_at_their_rates():
   assert flops == [2 * 8 * 30 * 4 * 3 * 2, 2 * 64 * 256 * 64, 2 * 128 * 256 * 64]
   cost = projection.cost_of(f, *args)
   assert sum(cost.matmuls) == sum(flops)  # each in the bin of its size
-  sizes = np.log(projection.MATMUL_SIZES)
+  sizes = np.log(cluster_lib.MATMUL_SIZES)
   for size in flops:
     assert cost.matmuls[int(np.argmin(np.abs(sizes - np.log(size))))] >= size
   # At the cluster's rates: each bin at its own, the rest of XLA's flops at flops_per_s.
-  rates = tuple(1e9 * (i + 1) for i in range(len(projection.MATMUL_SIZES)))
+  rates = tuple(1e9 * (i + 1) for i in range(len(cluster_lib.MATMUL_SIZES)))
   host = dataclasses.replace(CLUSTER, matmul_rates=rates)
   expected = (
     sum(m / r for m, r in zip(cost.matmuls, rates))
@@ -374,8 +376,8 @@ def test_host_rates_are_the_probes_costs_over_their_seconds():
   assert stream.bytes == 2 * 4 * 2**20  # 1 Mi float32s read and written
   assert long.kernels - short.kernels == 2 * 100  # a product and a tanh per link
   seconds = {"stream": 1e-4, "short chain": 3e-5, "long chain": 2.3e-4}
-  seconds |= {f"dense {w}": 1e-5 * w for w in projection.MATMUL_WIDTHS}
-  for w in projection.MATMUL_WIDTHS:  # three products of 2 * 128 * w^2 per layer, and tanh
+  seconds |= {f"dense {w}": 1e-5 * w for w in cluster_lib.MATMUL_WIDTHS}
+  for w in cluster_lib.MATMUL_WIDTHS:  # three products of 2 * 128 * w^2 per layer, and tanh
     products = 3 * 2 * (2 * 128 * w * w)
     assert products <= probes[f"dense {w}"].cost.flops <= 1.05 * products
   rates = projection.host_rates(probes, seconds)
@@ -384,7 +386,7 @@ def test_host_rates_are_the_probes_costs_over_their_seconds():
   assert rates["inter_node_bandwidth"] == rates["intra_node_bandwidth"] == rates["memory_bandwidth"]
   assert rates["kernel_overhead"] == pytest.approx(2e-4 / 200)
   assert rates["matmul_rates"] == pytest.approx(
-    [probes[f"dense {w}"].cost.flops / seconds[f"dense {w}"] for w in projection.MATMUL_WIDTHS]
+    [probes[f"dense {w}"].cost.flops / seconds[f"dense {w}"] for w in cluster_lib.MATMUL_WIDTHS]
   )
   host = dataclasses.replace(CLUSTER, **rates)  # a valid Cluster
   assert host.flops_per_s == rates["flops_per_s"]
@@ -456,7 +458,7 @@ def test_projected_communication_matches_the_hlo_bytes_it_is_given(fraction):
   t = projection.project_step(
     step, no_latency, 8, kfac=work, grad_worker_fraction=Fraction(fraction), collectives=collectives
   )
-  per_step = accounting.per_step(collectives, 10, 100)
+  per_step = communication.per_step(collectives, 10, 100)
   for phase, moved in per_step.items():
     assert t.communication[phase] * no_latency.intra_node_bandwidth == pytest.approx(moved)
   # The modelled collectives of the same layout give the same K-FAC bytes (within the
@@ -482,13 +484,13 @@ def test_the_readme_example_of_the_planner():
     lambda p, b: optax.softmax_cross_entropy_with_integer_labels(model.apply(p, b[0]), b[1]).mean()
   )
   local = grad_fn.layers(params, (x, y))
-  choice = kaisa_jax.plan_fractions(local, 8, projection.DGX_A100, memory_budget=100_000)
+  choice = kaisa_jax.plan_fractions(local, 8, kaisa_jax.DGX_A100, memory_budget=100_000)
   assert choice.recommended == Fraction(1, 8)
   assert [o.fits for o in choice.options] == [True, False, False, False]
   # A 65x65 and G 64x64 of the first layer, the larger share one device holds (float32).
   assert {o.factor_memory for o in choice.options} == {(65 * 65 + 64 * 64) * 4}
   assert "<- recommended" in str(choice) and "PROJECTED" in str(choice)
-  assert kaisa_jax.plan_fractions(local, 8, projection.DGX_A100).recommended == 1
+  assert kaisa_jax.plan_fractions(local, 8, kaisa_jax.DGX_A100).recommended == 1
   kfac = kaisa_jax.kfac(
     local, axis_name="batch", axis_size=8, grad_worker_fraction=choice.recommended, lr=0.1
   )

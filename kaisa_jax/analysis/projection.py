@@ -16,18 +16,16 @@ the seconds per step on ``N`` data-parallel devices:
   layers, the largest share of any device (from the layout, weighted by each
   layer's flops, `kaisa_jax.cost`) setting the pace.
 * communication: per collective, ``latency + moved_bytes / bandwidth``, with
-  the bytes a ring algorithm moves per device (`kaisa_jax.accounting.moved`)
+  the bytes a ring algorithm moves per device (`kaisa_jax.communication.moved`)
   over the bandwidth within a node, or across nodes when the collective's
   devices span several nodes; amortised by the cadence of its K-FAC phase. The
   bytes come from the HLO of a compiled ``N``-device program when one is given
-  (`kaisa_jax.accounting.hlo_collectives`), else from the layout
-  (`kaisa_jax.accounting.communication_model`) and the data-parallel gradient
+  (`kaisa_jax.analysis.accounting.hlo_collectives`), else from the layout
+  (`kaisa_jax.communication.communication_model`) and the data-parallel gradient
   all-reduce.
 
 Compute and communication are added, not overlapped. `Cluster` describes the
-hardware; `DGX_A100` and `DGX_H100` take their figures from NVIDIA's data
-sheets (peak rates: the projection is then optimistic by the kernels'
-efficiency), and `measure_host` times this machine.
+hardware (`kaisa_jax.cluster`), and `measure_host` times this machine into one.
 """
 
 from __future__ import annotations
@@ -46,106 +44,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kaisa_jax import accounting, assignment, cost, distribution, transform
-
-GB = 1e9
-# The widths of the host's dense probes: two W x W layers on 128 rows, whose
-# products of 2 * 128 * W^2 flops are the sizes by which a program's products
-# are binned.
-MATMUL_WIDTHS = (16, 32, 64, 128, 256, 512, 1024)
-MATMUL_SIZES = tuple(2.0 * 128 * w * w for w in MATMUL_WIDTHS)
-
-
-@dataclasses.dataclass(frozen=True)
-class Cluster:
-  """A cluster of identical devices, as the projection sees it.
-
-  Attributes:
-    name: what it is, printed with every projection.
-    flops_per_s: sustained float32 FLOP/s of one device.
-    memory_bandwidth: bytes/s between one device and its memory.
-    intra_node_bandwidth: bytes/s one device sends in a collective among
-      devices of one node (one direction).
-    inter_node_bandwidth: bytes/s one device sends in a collective that spans
-      nodes (one direction).
-    devices_per_node: devices in one node.
-    latency: seconds each collective costs on top of its bytes.
-    memory: bytes of memory per device.
-    kernel_overhead: seconds each kernel (each operation a compiled program
-      launches) costs on top of its flops and bytes.
-    source: where the figures come from.
-    matmul_rates: FLOP/s of the matrix products and convolutions of each
-      of `MATMUL_SIZES` flops (`measure_host` times dense layers of each
-      width: small products run far below a large one's rate); ``None``:
-      every flop at ``flops_per_s``.
-  """
-
-  name: str
-  flops_per_s: float
-  memory_bandwidth: float
-  intra_node_bandwidth: float
-  inter_node_bandwidth: float
-  devices_per_node: int
-  latency: float
-  memory: float
-  kernel_overhead: float
-  source: str = ""
-  matmul_rates: tuple[float, ...] | None = None
-
-  def __post_init__(self):
-    for field in dataclasses.fields(self):
-      value = getattr(self, field.name)
-      if field.type == "float" and not (np.isfinite(value) and value > 0):
-        raise ValueError(f"Cluster {field.name} must be a positive number, got {value!r}")
-    rates = self.matmul_rates
-    if rates is not None and (
-      len(rates) != len(MATMUL_SIZES) or not all(np.isfinite(r) and r > 0 for r in rates)
-    ):
-      raise ValueError(
-        f"Cluster matmul_rates must be None or {len(MATMUL_SIZES)} positive FLOP/s, one per "
-        f"kaisa_jax.projection.MATMUL_SIZES, got {rates!r}"
-      )
-    if not isinstance(self.devices_per_node, int) or self.devices_per_node < 1:
-      raise ValueError(f"Cluster devices_per_node must be an int >= 1, got {self.devices_per_node}")
-
-  def bandwidth(self, spans_nodes: bool) -> float:
-    """Bytes/s per device of a collective within a node, or spanning nodes."""
-    return self.inter_node_bandwidth if spans_nodes else self.intra_node_bandwidth
-
-
-# NVIDIA A100 Tensor Core GPU data sheet (SXM4 80GB): FP32 19.5 TFLOP/s, HBM2e
-# 2,039 GB/s, NVLink 600 GB/s (both directions); DGX A100 data sheet: 8 GPUs,
-# 8 single-port 200 Gb/s InfiniBand adapters (one per GPU). Assumptions, not
-# data-sheet figures: the latency of a small NCCL collective (10 us) and of a
-# CUDA kernel launch (4 us; XLA's command buffers can hide part of it).
-DGX_A100 = Cluster(
-  name="DGX A100 (8x A100-SXM4-80GB, NVLink, 200 Gb/s InfiniBand per GPU)",
-  flops_per_s=19.5e12,
-  memory_bandwidth=2039 * GB,
-  intra_node_bandwidth=300 * GB,
-  inter_node_bandwidth=25 * GB,
-  devices_per_node=8,
-  latency=10e-6,
-  memory=80 * GB,
-  kernel_overhead=4e-6,
-  source="NVIDIA A100 and DGX A100 data sheets (peak FP32); latency and kernel launch assumed",
+from kaisa_jax import transform
+from kaisa_jax.cluster import MATMUL_SIZES, MATMUL_WIDTHS, Cluster
+from kaisa_jax.communication import (
+  Collective,
+  communication_seconds,
+  modelled_collectives,
 )
-# NVIDIA H100 Tensor Core GPU data sheet (SXM5): FP32 67 TFLOP/s, HBM3 3.35 TB/s,
-# NVLink 900 GB/s (both directions); DGX H100 data sheet: 8 GPUs, 400 Gb/s
-# ConnectX-7 per GPU.
-DGX_H100 = Cluster(
-  name="DGX H100 (8x H100-SXM5-80GB, NVLink, 400 Gb/s InfiniBand per GPU)",
-  flops_per_s=67e12,
-  memory_bandwidth=3350 * GB,
-  intra_node_bandwidth=450 * GB,
-  inter_node_bandwidth=50 * GB,
-  devices_per_node=8,
-  latency=10e-6,
-  memory=80 * GB,
-  kernel_overhead=4e-6,
-  source="NVIDIA H100 and DGX H100 data sheets (peak FP32); latency and kernel launch assumed",
-)
-PRESETS = {"dgx_a100": DGX_A100, "dgx_h100": DGX_H100}
+from kaisa_jax.planning import busiest_shares, layout_for
 
 
 def _median_seconds(fn, *args, repeats: int) -> float:
@@ -261,19 +167,6 @@ def measure_host(name: str = "this host") -> Cluster:
     source="measured: 2 dense layers 16 to 1024 wide, forward and backward on 128 rows; "
     "x + 1 on 4 MB; a scalar call; chains of tiny kernels",
     **host_rates(probes, seconds),
-  )
-
-
-def cluster_of(device: Any) -> Cluster:
-  """The preset for a device's kind (A100, H100); raises for any other kind."""
-  kind = getattr(device, "device_kind", str(device))
-  for key, preset in (("A100", DGX_A100), ("H100", DGX_H100)):
-    if key in kind:
-      return preset
-  raise ValueError(
-    f"no cluster preset for device kind {kind!r} (presets: A100, H100): describe it with "
-    "kaisa_jax.projection.Cluster(...) and pass grad_worker_fraction="
-    "kaisa_jax.plan_fractions(layers, n_devices, cluster).recommended"
   )
 
 
@@ -790,33 +683,6 @@ def kfac_work(
   )
 
 
-def layout_for(plan: transform.Plan, devices: int, fraction: float | str) -> assignment.Layout:
-  """The layout `kaisa_jax.kfac` makes for ``plan``'s layers on ``devices`` with ``fraction``."""
-  cols = distribution.grad_workers(fraction, devices)
-  return assignment.make_layout(plan.layers, devices // cols, cols, plan.layout.cost_kind)
-
-
-def busiest_flops(plan: transform.Plan, layout: assignment.Layout) -> tuple[float, float]:
-  """Flops of the decompositions the busiest device owns, and of the preconditioning the busiest group runs.
-
-  From `kaisa_jax.cost`; SPMD makes every device wait for the busiest.
-  """
-  dec = [cost.decomposition_flops(s, t) for s, t in plan.layers]
-  pre = [cost.preconditioning_flops(s, t) for s, t in plan.layers]
-  devices = [(r, c) for r in range(layout.rows) for c in range(layout.cols)]
-  return (
-    max(sum(dec[i] for i in layout.owned(*d)) for d in devices),
-    max(sum(pre[i] for i in layout.group(r)) for r in range(layout.rows)),
-  )
-
-
-def busiest_shares(plan: transform.Plan, layout: assignment.Layout) -> tuple[float, float]:
-  """`busiest_flops` as shares of all the layers' decomposition and preconditioning flops."""
-  dec, pre = busiest_flops(plan, layout)
-  dec_all, pre_all = busiest_flops(plan, layout_for(plan, 1, 1))
-  return dec / max(dec_all, 1.0), pre / max(pre_all, 1.0)
-
-
 @dataclasses.dataclass(frozen=True)
 class StepTime:
   """A projected step: seconds of compute and of communication per phase.
@@ -850,61 +716,6 @@ class StepTime:
     )
 
 
-def _spans_nodes(cluster: Cluster, phase: str, devices: int, cols: int) -> bool:
-  """Whether a phase's collective runs over devices of more than one node.
-
-  Devices are numbered node by node; a grad-worker group is ``W`` consecutive
-  devices, the receivers of a position are ``W`` apart, the data-parallel
-  reductions span all ``N``.
-  """
-  if phase == accounting.DECOMPOSITION_SHARING:
-    return cols > cluster.devices_per_node
-  return devices > cluster.devices_per_node
-
-
-def communication_seconds(
-  cluster: Cluster,
-  collectives: Sequence[accounting.Collective],
-  devices: int,
-  cols: int,
-  factor_update_steps: int = 1,
-  inv_update_steps: int = 1,
-) -> dict[str, float]:
-  """Seconds per step by phase of a list of collectives, amortised by phase cadence.
-
-  Each collective costs ``latency + moved_bytes / bandwidth``; one over a
-  single device costs nothing. The chain check runs once: nothing per step.
-  """
-
-  def seconds(c: accounting.Collective) -> float:
-    if c.group_size <= 1:
-      return 0.0
-    bandwidth = cluster.bandwidth(_spans_nodes(cluster, c.phase, devices, cols))
-    return cluster.latency + c.moved_bytes / bandwidth
-
-  return accounting.amortised(collectives, factor_update_steps, inv_update_steps, seconds)
-
-
-def modelled_collectives(
-  layout: assignment.Layout | None,
-  devices: int,
-  gradient_bytes: float | None,
-  itemsize: int = 4,
-) -> list[accounting.Collective]:
-  """The collectives of a data-parallel step on ``devices``, from the layout.
-
-  The gradient all-reduce of data parallelism (``gradient_bytes``; ``None``
-  leaves it out), and with a K-FAC ``layout`` those of its phases
-  (`kaisa_jax.accounting.layout_collectives`).
-  """
-  out = []
-  if gradient_bytes is not None:
-    out.append(accounting.collective("all-reduce", accounting.OTHER, devices, gradient_bytes))
-  if layout is not None:
-    out += accounting.layout_collectives(layout, itemsize)
-  return out
-
-
 def project_step(
   step: ProgramCost,
   cluster: Cluster,
@@ -913,7 +724,7 @@ def project_step(
   gradient_bytes: float = 0.0,
   kfac: KFACWork | None = None,
   grad_worker_fraction: float | str = "comm_opt",
-  collectives: Sequence[accounting.Collective] | None = None,
+  collectives: Sequence[Collective] | None = None,
 ) -> StepTime:
   """Projects the seconds per step of a train step on ``devices`` devices of ``cluster``.
 
@@ -928,7 +739,7 @@ def project_step(
     kfac: K-FAC's phases (`kfac_work`); ``None`` for a first-order step.
     grad_worker_fraction: KAISA's ``f`` on ``devices`` (with ``kfac``).
     collectives: the collectives of the same step compiled for ``devices``
-      devices (`kaisa_jax.accounting.hlo_collectives`), replacing the modelled
+      devices (`kaisa_jax.analysis.accounting.hlo_collectives`), replacing the modelled
       ones.
 
   Returns:

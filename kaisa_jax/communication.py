@@ -1,48 +1,34 @@
-"""Accounting: the bytes K-FAC moves and stores per device, measured and modelled.
+"""Communication: the bytes K-FAC moves and stores per device, and their seconds on a cluster.
 
-`hlo_collectives` reads a compiled train step and lists every collective with the
-bytes it moves per device, attributed to K-FAC's phases by the named scopes its
-collectives run under. `communication_model` predicts the same figures from a
-plan alone, and those of the KAISA reference's scheme (factors all-reduced to
-every device) for comparison, so the cost of a grad worker fraction can be read
-before running anything.
+A model from the layout alone, so the cost of a grad worker fraction can be read
+before running anything: `layout_collectives` lists the collectives of each
+K-FAC phase, `communication_model` sums them with the memory they leave on a
+device (and does the same for the KAISA reference's scheme, factors all-reduced
+to every device), and `communication_seconds` prices them on a `Cluster`.
+`kaisa_jax.analysis.accounting.hlo_collectives` reads the same figures from a
+compiled program, to check this model.
 
 Bytes moved per device follow the ring algorithms, for a collective over ``n``
 devices with result size ``S``: all-reduce ``2 (n - 1) / n * S``, all-gather
 ``(n - 1) / n * S``, reduce-scatter ``(n - 1) * S`` (its input is ``n S``),
-all-to-all ``(n - 1) / n * S``, collective-permute ``S``.
+all-to-all ``(n - 1) / n * S``, collective-permute ``S``. A collective costs
+``latency + moved_bytes / bandwidth`` seconds.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable, Sequence
-from typing import Any
 
-import numpy as np
-
-from kaisa_jax import assignment, transform
+from kaisa_jax import assignment
+from kaisa_jax.cluster import Cluster
+from kaisa_jax.plan import Plan
 
 FACTOR_REDUCTION = "factor reduction"
 DECOMPOSITION_SHARING = "decomposition sharing"
 GRADIENT_SHARING = "gradient sharing"
 CHAIN_CHECK = "chain check"
 OTHER = "other"
-_SCOPES = {
-  transform.FACTOR_REDUCTION: FACTOR_REDUCTION,
-  transform.DECOMPOSITION_SHARING: DECOMPOSITION_SHARING,
-  transform.GRADIENT_SHARING: GRADIENT_SHARING,
-  transform.CHAIN_CHECK: CHAIN_CHECK,
-}
-_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-_DTYPE_BYTES = {
-  "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-  "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
-}  # fmt: skip
-_OP = re.compile(
-  r"=\s*(?P<type>.+?)\s+(?P<kind>" + "|".join(_KINDS) + r")(?P<start>-start)?\((?P<rest>.*)$"
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,53 +70,6 @@ def moved(kind: str, n: int, result_bytes: float) -> float:
 def collective(kind: str, phase: str, n: int, result_bytes: float) -> Collective:
   """A collective over ``n`` devices with a result of ``result_bytes``, and the bytes it moves."""
   return Collective(kind, phase, n, int(result_bytes), moved(kind, n, result_bytes))
-
-
-def _type_bytes(text: str) -> int:
-  total = 0
-  for dtype, dims in re.findall(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]", text):
-    if dtype in _DTYPE_BYTES:
-      total += _DTYPE_BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d]))
-  return total
-
-
-def _group_size(rest: str, num_devices: int) -> int:
-  explicit = re.search(r"replica_groups=\{\{([0-9,]*)\}", rest)
-  if explicit:
-    return len(explicit.group(1).split(","))
-  iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", rest)
-  if iota:
-    return int(iota.group(2))
-  pairs = re.search(r"source_target_pairs=\{([^}]*)\}", rest)
-  if pairs:
-    return 2
-  return num_devices
-
-
-def hlo_collectives(compiled: Any, num_devices: int | None = None) -> list[Collective]:
-  """Every collective in a compiled program (``jax.jit(f).lower(...).compile()``).
-
-  Args:
-    compiled: a compiled JAX computation, or its HLO text.
-    num_devices: devices of a collective whose groups the HLO leaves implicit.
-  """
-  text = compiled if isinstance(compiled, str) else compiled.as_text()
-  out = []
-  for line in text.splitlines():
-    match = _OP.search(line)
-    if match is None:
-      continue
-    rest = match.group("rest")
-    scope = re.search(r'op_name="([^"]*)"', rest)
-    phase = next((p for s, p in _SCOPES.items() if scope and s in scope.group(1)), OTHER)
-    type_text = match.group("type")
-    if match.group("start"):  # async pairs: count the start, its result type holds the output
-      type_text = type_text.split("), ")[-1] if "), " in type_text else type_text
-    size = _type_bytes(type_text)
-    n = _group_size(rest, num_devices or 1)
-    kind = match.group("kind")
-    out.append(collective(kind, phase, n, size))
-  return out
 
 
 def amortised(
@@ -205,7 +144,7 @@ def layout_collectives(layout: assignment.Layout, itemsize: int = 4) -> list[Col
   ]
 
 
-def communication_model(plan: transform.Plan, itemsize: int = 4) -> tuple[Model, Model]:
+def communication_model(plan: Plan, itemsize: int = 4) -> tuple[Model, Model]:
   """``(kaisa_jax, reference)`` per-device bytes for a plan's layout.
 
   ``kaisa_jax`` reduces each factor onto its owner and stores it there (buffers
@@ -243,3 +182,58 @@ def communication_model(plan: transform.Plan, itemsize: int = 4) -> tuple[Model,
     decomposition_memory=decomps / rows * itemsize,
   )
   return ours, reference
+
+
+def _spans_nodes(cluster: Cluster, phase: str, devices: int, cols: int) -> bool:
+  """Whether a phase's collective runs over devices of more than one node.
+
+  Devices are numbered node by node; a grad-worker group is ``W`` consecutive
+  devices, the receivers of a position are ``W`` apart, the data-parallel
+  reductions span all ``N``.
+  """
+  if phase == DECOMPOSITION_SHARING:
+    return cols > cluster.devices_per_node
+  return devices > cluster.devices_per_node
+
+
+def communication_seconds(
+  cluster: Cluster,
+  collectives: Sequence[Collective],
+  devices: int,
+  cols: int,
+  factor_update_steps: int = 1,
+  inv_update_steps: int = 1,
+) -> dict[str, float]:
+  """Seconds per step by phase of a list of collectives, amortised by phase cadence.
+
+  Each collective costs ``latency + moved_bytes / bandwidth``; one over a
+  single device costs nothing. The chain check runs once: nothing per step.
+  """
+
+  def seconds(c: Collective) -> float:
+    if c.group_size <= 1:
+      return 0.0
+    bandwidth = cluster.bandwidth(_spans_nodes(cluster, c.phase, devices, cols))
+    return cluster.latency + c.moved_bytes / bandwidth
+
+  return amortised(collectives, factor_update_steps, inv_update_steps, seconds)
+
+
+def modelled_collectives(
+  layout: assignment.Layout | None,
+  devices: int,
+  gradient_bytes: float | None,
+  itemsize: int = 4,
+) -> list[Collective]:
+  """The collectives of a data-parallel step on ``devices``, from the layout.
+
+  The gradient all-reduce of data parallelism (``gradient_bytes``; ``None``
+  leaves it out), and with a K-FAC ``layout`` those of its phases
+  (`kaisa_jax.layout_collectives`).
+  """
+  out = []
+  if gradient_bytes is not None:
+    out.append(collective("all-reduce", OTHER, devices, gradient_bytes))
+  if layout is not None:
+    out += layout_collectives(layout, itemsize)
+  return out

@@ -1,0 +1,128 @@
+"""The cluster a fraction is planned for: its devices' rates, links and memory.
+
+`Cluster` describes identical devices in nodes; `DGX_A100` and `DGX_H100` take
+their figures from NVIDIA's data sheets (peak rates, so a time projected from
+them is optimistic by the kernels' efficiency). `kaisa_jax.plan_fractions`
+weighs each grad worker fraction on one, and ``grad_worker_fraction="auto"``
+takes the preset of the first device's kind (`cluster_of`).
+`kaisa_jax.analysis.projection.measure_host` times this machine into one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+GB = 1e9
+# The widths of the host's dense probes: two W x W layers on 128 rows, whose
+# products of 2 * 128 * W^2 flops are the sizes by which a program's products
+# are binned.
+MATMUL_WIDTHS = (16, 32, 64, 128, 256, 512, 1024)
+MATMUL_SIZES = tuple(2.0 * 128 * w * w for w in MATMUL_WIDTHS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+  """A cluster of identical devices, as the projection sees it.
+
+  Attributes:
+    name: what it is, printed with every projection.
+    flops_per_s: sustained float32 FLOP/s of one device.
+    memory_bandwidth: bytes/s between one device and its memory.
+    intra_node_bandwidth: bytes/s one device sends in a collective among
+      devices of one node (one direction).
+    inter_node_bandwidth: bytes/s one device sends in a collective that spans
+      nodes (one direction).
+    devices_per_node: devices in one node.
+    latency: seconds each collective costs on top of its bytes.
+    memory: bytes of memory per device.
+    kernel_overhead: seconds each kernel (each operation a compiled program
+      launches) costs on top of its flops and bytes.
+    source: where the figures come from.
+    matmul_rates: FLOP/s of the matrix products and convolutions of each
+      of `MATMUL_SIZES` flops (`measure_host` times dense layers of each
+      width: small products run far below a large one's rate); ``None``:
+      every flop at ``flops_per_s``.
+  """
+
+  name: str
+  flops_per_s: float
+  memory_bandwidth: float
+  intra_node_bandwidth: float
+  inter_node_bandwidth: float
+  devices_per_node: int
+  latency: float
+  memory: float
+  kernel_overhead: float
+  source: str = ""
+  matmul_rates: tuple[float, ...] | None = None
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if field.type == "float" and not (np.isfinite(value) and value > 0):
+        raise ValueError(f"Cluster {field.name} must be a positive number, got {value!r}")
+    rates = self.matmul_rates
+    if rates is not None and (
+      len(rates) != len(MATMUL_SIZES) or not all(np.isfinite(r) and r > 0 for r in rates)
+    ):
+      raise ValueError(
+        f"Cluster matmul_rates must be None or {len(MATMUL_SIZES)} positive FLOP/s, one per "
+        f"kaisa_jax.cluster.MATMUL_SIZES, got {rates!r}"
+      )
+    if not isinstance(self.devices_per_node, int) or self.devices_per_node < 1:
+      raise ValueError(f"Cluster devices_per_node must be an int >= 1, got {self.devices_per_node}")
+
+  def bandwidth(self, spans_nodes: bool) -> float:
+    """Bytes/s per device of a collective within a node, or spanning nodes."""
+    return self.inter_node_bandwidth if spans_nodes else self.intra_node_bandwidth
+
+
+# NVIDIA A100 Tensor Core GPU data sheet (SXM4 80GB): FP32 19.5 TFLOP/s, HBM2e
+# 2,039 GB/s, NVLink 600 GB/s (both directions); DGX A100 data sheet: 8 GPUs,
+# 8 single-port 200 Gb/s InfiniBand adapters (one per GPU). Assumptions, not
+# data-sheet figures: the latency of a small NCCL collective (10 us) and of a
+# CUDA kernel launch (4 us; XLA's command buffers can hide part of it).
+DGX_A100 = Cluster(
+  name="DGX A100 (8x A100-SXM4-80GB, NVLink, 200 Gb/s InfiniBand per GPU)",
+  flops_per_s=19.5e12,
+  memory_bandwidth=2039 * GB,
+  intra_node_bandwidth=300 * GB,
+  inter_node_bandwidth=25 * GB,
+  devices_per_node=8,
+  latency=10e-6,
+  memory=80 * GB,
+  kernel_overhead=4e-6,
+  source="NVIDIA A100 and DGX A100 data sheets (peak FP32); latency and kernel launch assumed",
+)
+# NVIDIA H100 Tensor Core GPU data sheet (SXM5): FP32 67 TFLOP/s, HBM3 3.35 TB/s,
+# NVLink 900 GB/s (both directions); DGX H100 data sheet: 8 GPUs, 400 Gb/s
+# ConnectX-7 per GPU.
+DGX_H100 = Cluster(
+  name="DGX H100 (8x H100-SXM5-80GB, NVLink, 400 Gb/s InfiniBand per GPU)",
+  flops_per_s=67e12,
+  memory_bandwidth=3350 * GB,
+  intra_node_bandwidth=450 * GB,
+  inter_node_bandwidth=50 * GB,
+  devices_per_node=8,
+  latency=10e-6,
+  memory=80 * GB,
+  kernel_overhead=4e-6,
+  source="NVIDIA H100 and DGX H100 data sheets (peak FP32); latency and kernel launch assumed",
+)
+PRESETS = {"dgx_a100": DGX_A100, "dgx_h100": DGX_H100}
+
+
+def cluster_of(device: Any) -> Cluster:
+  """The preset for a device's kind (A100, H100); raises for any other kind."""
+  kind = getattr(device, "device_kind", str(device))
+  for key, preset in (("A100", DGX_A100), ("H100", DGX_H100)):
+    if key in kind:
+      return preset
+  raise ValueError(
+    f"no cluster preset for device kind {kind!r} (presets: A100, H100): describe it with "
+    "kaisa_jax.Cluster(...) and pass grad_worker_fraction="
+    "kaisa_jax.plan_fractions(layers, n_devices, cluster).recommended"
+  )
