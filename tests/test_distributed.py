@@ -133,7 +133,9 @@ def test_second_order_state_is_sharded():
 def test_collectives_in_compiled_step_match_the_model(fraction):
   fn, (params, state), inputs, kfac = build("cnn", "shard_map", 8, fraction, 1, chained=True)
   collectives = accounting.hlo_collectives(fn.lower(params, state, *inputs[0]).compile(), 8)
-  measured = {phase: 0.0 for phase in (*communication.per_step([], 1, 1), communication.CHAIN_CHECK)}
+  measured = {
+    phase: 0.0 for phase in (*communication.per_step([], 1, 1), communication.CHAIN_CHECK)
+  }
   for c in collectives:
     measured[c.phase] += c.moved_bytes
   model, _ = communication.communication_model(kfac.plan)
@@ -154,7 +156,9 @@ def test_collectives_in_compiled_step_match_the_model(fraction):
   if fraction == "1/8":  # MEM-OPT: no decomposition is gathered
     assert gathers[communication.DECOMPOSITION_SHARING] == 0
   assert (
-    gathers[communication.GRADIENT_SHARING if fraction != "1" else communication.DECOMPOSITION_SHARING]
+    gathers[
+      communication.GRADIENT_SHARING if fraction != "1" else communication.DECOMPOSITION_SHARING
+    ]
     > 0
   )
   # The data-parallel gradient all-reduce is there too, attributed to no phase.

@@ -14,18 +14,9 @@ import sys
 import pytest
 from markdown_it import MarkdownIt
 
-import kaisa_jax
-
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 PAGES = sorted(p for p in DOCS.rglob("*.md") if "_build" not in p.relative_to(DOCS).parts)
-
-# Until kaisa_jax.analysis (with kaisa_jax.cluster) replaces the top-level modules projection and
-# accounting, docs/api.md documents names this tree does not have yet.
-BEFORE_ANALYSIS = not (pathlib.Path(kaisa_jax.__file__).parent / "analysis").is_dir()
-needs_analysis = pytest.mark.skipif(
-  BEFORE_ANALYSIS, reason="docs/api.md documents kaisa_jax.analysis, not in this tree yet"
-)
 
 
 def python_blocks(page: pathlib.Path) -> list[tuple[int, str]]:
@@ -71,7 +62,6 @@ def test_a_failing_block_fails(tmp_path):
   assert raised.traceback[-1].lineno + 1 == 14
 
 
-@needs_analysis
 def test_sphinx_build_is_warning_free(tmp_path):
   command = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html"]
   result = subprocess.run(
@@ -105,7 +95,6 @@ def directive_for(obj) -> str:
   return "autodata"
 
 
-@needs_analysis
 def test_api_reference_documents_every_public_name():
   import kaisa_jax.analysis
 
