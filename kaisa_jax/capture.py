@@ -24,6 +24,23 @@ or plain operands, and the recorded inputs leave as extra outputs, stacked
 along one leading axis per scan or vmap. A layer whose parameters carry the
 same leading axes (``variable_axes={"params": 0}``) becomes one layer per
 slice; one whose parameters are shared becomes one call per iteration.
+
+Capture may run in several threads at once, each tracing its own loss. What
+an evaluation captures is kept per thread (the running sessions, and the flag
+set while a layer's input is recomputed), as Flax keeps its method interceptors
+and JAX its traces. The wrappers of ``lax.scan``, ``jax.vmap``,
+``jax.checkpoint``, ``jax.remat`` and of the NNX layer methods are put in place
+once for the process, under a lock, the first time capture runs (an NNX layer
+type registered later, the first time capture sees it), and stay: each looks
+up the sessions running in the calling thread and, with none, calls the
+original with the same arguments and returns its result (what ``jax.vmap``
+returns there is what the original returns); they carry the originals' names,
+docstrings and signatures. Putting them in place around each trace and taking
+them away after it, even counting the threads inside, would leave a window in
+which a thread that has read ``jax.lax.scan`` but not yet called it gets the
+other, and would let a reference taken while they were in place outlive them;
+wrappers that pass through cost one thread-local read per call and leave no
+such window.
 """
 
 from __future__ import annotations
@@ -32,6 +49,7 @@ import contextlib
 import dataclasses
 import fnmatch
 import functools
+import threading
 import types
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -228,7 +246,7 @@ class _Session:
   def intercept(self, next_fun, args, kwargs, context):
     """The interceptor: numbers the calls of layer kinds and hands them to ``on_call``."""
     module, method = context.module, context.method_name
-    if _bypass:
+    if _state.bypass:
       return next_fun(*args, **kwargs)
     name = _module_name(module, self.leaf_paths)
     kind = _kind(module, self.selection)
@@ -280,14 +298,41 @@ class _Session:
     self.frames[-1].record.update(record)
 
 
-_session: _Session | None = None
+class _Capture(NamedTuple):
+  """A session running in a thread, and the NNX layer methods it intercepts."""
+
+  session: _Session
+  methods: frozenset[tuple[type, str]]
+
+
+class _ThreadState(threading.local):
+  """What capture keeps for the calling thread alone.
+
+  Attributes:
+    captures: the sessions running in this thread, the innermost last.
+    bypass: set while a layer's own input is recomputed (normalisation layers):
+      the layer calls this makes are not captured.
+  """
+
+  def __init__(self):
+    self.captures: tuple[_Capture, ...] = ()
+    self.bypass = False
+
+
+_state = _ThreadState()
+
+
+def _current() -> _Session | None:
+  """The innermost session running in the calling thread, if any."""
+  captures = _state.captures
+  return captures[-1].session if captures else None
 
 
 def _patched_scan(original: Callable[..., Any]) -> Callable[..., Any]:
   """``lax.scan`` that threads the perturbations and records of its body's layers."""
 
   def scan(f, init, xs=None, length=None, **kwargs):
-    s = _session
+    s = _current()
     if s is None or not s.active():
       return original(f, init, xs, length, **kwargs)
     start, body, feed = s.enter()
@@ -314,7 +359,7 @@ def _patched_vmap(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fun)
     def mapped(*args, **call_kwargs):
-      s = _session
+      s = _current()
       if s is None or not s.active():
         return plain(*args, **call_kwargs)
       start, body, feed = s.enter()
@@ -343,7 +388,7 @@ def _patched_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fun)
     def rematerialised(*args, **call_kwargs):
-      s = _session
+      s = _current()
       if s is None or not s.active():
         return plain(*args, **call_kwargs)
       start, body, feed = s.enter()
@@ -447,47 +492,108 @@ _TRANSFORMS = (
   (jax, "checkpoint", _patched_checkpoint),
   (jax, "remat", _patched_checkpoint),
 )
+_PATCH_LOCK = threading.Lock()
+_PATCHED = "_kaisa_jax_patched"  # marks the functions that `_install` puts in place
+
+
+def _dispatcher(original: Callable[..., Any], patch: Callable[..., Any]) -> Callable[..., Any]:
+  """``original`` (``lax.scan``, ...) as wrapped by each session running in the calling thread.
+
+  With none, a call is a call of ``original`` itself; with one, of
+  ``patch(original)``; nested sessions wrap it once each.
+  """
+
+  @functools.wraps(original)
+  def dispatch(*args, **kwargs):
+    fun = original
+    for _ in _state.captures:
+      fun = patch(fun)
+    return fun(*args, **kwargs)
+
+  setattr(dispatch, _PATCHED, patch)
+  return dispatch
+
+
+def _intercepted(session: _Session, next_fun, context, *args, **kwargs):
+  return session.intercept(next_fun, args, kwargs, context)
+
+
+def _method_dispatcher(cls: type, method: str, original: Callable[..., Any]) -> Callable[..., Any]:
+  """An NNX layer method that the sessions running in the calling thread intercept.
+
+  Only the sessions that were started while ``(cls, method)`` was the method of
+  a layer kind do (`_nnx_methods`); the innermost runs first.
+  """
+
+  @functools.wraps(original)
+  def dispatch(self, *args, **kwargs):
+    captures = _state.captures
+    if not captures:
+      return original(self, *args, **kwargs)
+    context = types.SimpleNamespace(module=self, method_name=method)
+    fun = functools.partial(original, self)
+    for capture in captures:
+      if (cls, method) in capture.methods:
+        fun = functools.partial(_intercepted, capture.session, fun, context)
+    return fun(*args, **kwargs)
+
+  setattr(dispatch, _PATCHED, (cls, method))
+  return dispatch
+
+
+def _nnx_methods() -> frozenset[tuple[type, str]]:
+  """``(class, method)`` of each NNX layer method of a layer kind, where the class defines it.
+
+  Subclasses that keep the method are covered by their base class's.
+  """
+  return frozenset(
+    (cls, method)
+    for kind in layers_lib.all_kinds()
+    for cls in kind.module_types
+    if issubclass(cls, nnx.Module)
+    for method, _ in kind.methods
+    if cls.__dict__.get(method) is not None
+  )
+
+
+def _install(methods: frozenset[tuple[type, str]]) -> None:
+  """Puts the dispatchers in place, once for the process, where they are not yet.
+
+  A function already in place stays so (another thread may be inside it);
+  one that has been replaced since (by a test's monkeypatching, say) is wrapped
+  again.
+  """
+  with _PATCH_LOCK:
+    for owner, name, patch in _TRANSFORMS:
+      current = getattr(owner, name)
+      if getattr(current, _PATCHED, None) is not patch:
+        setattr(owner, name, _dispatcher(current, patch))
+    for cls, method in methods:
+      current = cls.__dict__[method]
+      if getattr(current, _PATCHED, None) is None:
+        setattr(cls, method, _method_dispatcher(cls, method, current))
 
 
 @contextlib.contextmanager
 def _capturing(session: _Session):
-  """Runs ``session`` around the layer calls of the loss.
+  """Runs ``session`` around the layer calls of the loss, in the calling thread.
 
-  Linen has method interceptors; NNX has none, so the methods of the NNX layer
-  classes K-FAC knows are wrapped for the duration (subclasses that keep them
-  are covered too). ``lax.scan``, ``jax.vmap`` and ``jax.checkpoint`` (which
-  ``nn.scan``, ``nn.vmap`` and ``nn.remat`` are built on) are wrapped so that
-  layers inside them are captured too.
+  Linen has method interceptors (kept per thread by Flax); NNX has none, so the
+  methods of the NNX layer classes K-FAC knows are wrapped (subclasses that keep
+  them are covered too). ``lax.scan``, ``jax.vmap`` and ``jax.checkpoint``
+  (which ``nn.scan``, ``nn.vmap`` and ``nn.remat`` are built on) are wrapped so
+  that layers inside them are captured too. See the module docstring for why
+  these wrappers stay in place once installed.
   """
-  global _session
-  patched = []
-  for kind in layers_lib.all_kinds():
-    for cls in kind.module_types:
-      if not issubclass(cls, nnx.Module):
-        continue
-      for method, _ in kind.methods:
-        original = cls.__dict__.get(method)
-        if original is None:
-          continue
-
-        def wrapper(self, *args, _original=original, _method=method, **kwargs):
-          context = types.SimpleNamespace(module=self, method_name=_method)
-          return session.intercept(lambda *a, **k: _original(self, *a, **k), args, kwargs, context)
-
-        patched.append((cls, method, original))
-        setattr(cls, method, wrapper)
-  for owner, name, patch in _TRANSFORMS:
-    original = getattr(owner, name)
-    patched.append((owner, name, original))
-    setattr(owner, name, patch(original))
-  previous, _session = _session, session
+  methods = _nnx_methods()
+  _install(methods)
+  outer = _state.captures
+  _state.captures = (*outer, _Capture(session, methods))
   try:
     with nn.intercept_methods(session.intercept):
       yield
   finally:
-    _session = previous
-    for owner, name, original in reversed(patched):
-      setattr(owner, name, original)
+    _state.captures = outer
 
 
 class _Selection(NamedTuple):
@@ -512,7 +618,6 @@ class _Selection(NamedTuple):
 
 
 NORMALIZATION = ("block", DIAGONAL := "diagonal")
-_bypass = False  # set while a layer's own input is recomputed (normalisation layers)
 
 
 def _kind(module: nn.Module, selection: _Selection) -> layers_lib.LayerKind | None:
@@ -525,15 +630,14 @@ def _kind(module: nn.Module, selection: _Selection) -> layers_lib.LayerKind | No
 
 def _recorded_input(module: nn.Module, args: tuple, kwargs: dict) -> Array:
   """What a call contributes as its input ``a`` (the kind may recompute it)."""
-  global _bypass
   kind = layers_lib.find_kind(module)
   if kind is None or kind.record is None:
     return args[0] if args else next(iter(kwargs.values()))
-  _bypass = True
+  _state.bypass = True
   try:
     return kind.record(module, args, kwargs)
   finally:
-    _bypass = False
+    _state.bypass = False
 
 
 def _as_patterns(patterns: str | Sequence[str] | None, arg: str) -> tuple[str, ...] | None:
@@ -556,72 +660,88 @@ class _Traced(NamedTuple):
   outs: dict[int, jax.ShapeDtypeStruct]
 
 
-def _trace(
-  fun: Callable[..., Any], params: Any, args: tuple, kwargs: dict, selection: _Selection
-) -> tuple[Layers, _Traced]:
-  """Traces the loss abstractly; returns the registry and the calls in order."""
-  calls: dict[int, _Call] = {}
-  ends: dict[int, int] = {}
-  sessions: list[_Session] = []
+def _spec_of_call(
+  s: _Session,
+  selection: _Selection,
+  name: str,
+  module: Any,
+  method: str,
+  kind: layers_lib.LayerKind,
+  out: Any,
+) -> tuple[layers_lib.LayerSpec | None, int, dict[str, Any] | None]:
+  """``(spec, rows, config)`` of a call of a selected layer, as the abstract trace sees it.
 
-  def on_call(s: _Session, cid: int, name: str, module: Any, method: str, kind, call, *_):
-    out = call()
-    own = _direct_params(module)
-    spec, rows, config = None, 0, None
-    if selection.selects(name):
-      try:
-        if not isinstance(out, jax.Array):
-          raise layers_lib.UnsupportedLayerError(
-            f"{method} returned {type(out).__name__}, not one array"
-          )
-        prefix, suffix = _param_path(module, kind.weight, own, s.leaf_paths)
-        spec = layers_lib.make_spec(
-          kind, module, name, prefix, tuple(own[kind.weight].shape), kind.bias in own
-        )
-        config = kind.describe(module, spec.kernel_shape)
-        spec = dataclasses.replace(
-          spec,
-          param_suffix=suffix,
-          methods=(method,),
-          diagonal_input=spec.diagonal_input
-          or (kind.name in layers_lib.NORMS and selection.normalization == DIAGONAL),
-        )
-        side = spec.kernel_shape[: spec.in_ndim] if kind.transposed(method) else None
-        features = spec.g_dim * spec.groups if side is None else int(np.prod(side))
-        rows = out.size // features
-      except layers_lib.UnsupportedLayerError as e:
-        s.skip(name, module, str(e))
-    elif name not in s.skipped:
-      s.skip(name, module, EXCLUDED)
-    calls[cid] = _Call(
-      name,
-      method,
-      spec,
-      jax.ShapeDtypeStruct(out.shape, out.dtype),
-      rows,
-      _varying_axes(out),
-      s.depth(),
-      type(module).__name__,
-      config,
+  ``rows`` counts the rows the call adds to the factors; ``config`` is what the
+  kind's ``describe`` reads from the module. A layer K-FAC cannot precondition
+  is skipped, with the reason, and gives no rows.
+  """
+  own = _direct_params(module)
+  spec, config = None, None
+  try:
+    if not isinstance(out, jax.Array):
+      raise layers_lib.UnsupportedLayerError(
+        f"{method} returned {type(out).__name__}, not one array"
+      )
+    prefix, suffix = _param_path(module, kind.weight, own, s.leaf_paths)
+    spec = layers_lib.make_spec(
+      kind, module, name, prefix, tuple(own[kind.weight].shape), kind.bias in own
     )
-    if isinstance(out, jax.Array):
-      s.frames[-1].record[cid] = out
-    return out
+    config = kind.describe(module, spec.kernel_shape)
+    spec = dataclasses.replace(
+      spec,
+      param_suffix=suffix,
+      methods=(method,),
+      diagonal_input=spec.diagonal_input
+      or (kind.name in layers_lib.NORMS and selection.normalization == DIAGONAL),
+    )
+    side = spec.kernel_shape[: spec.in_ndim] if kind.transposed(method) else None
+    features = spec.g_dim * spec.groups if side is None else int(np.prod(side))
+    return spec, out.size // features, config
+  except layers_lib.UnsupportedLayerError as e:
+    s.skip(name, module, str(e))
+    return spec, 0, config
 
-  def traced(params):
-    s = _Session(params, selection, on_call, {}, ends)
-    sessions.append(s)
-    with _capturing(s):
-      fun(params, *args, **kwargs)
-    return s.frames[0].record
 
-  stage = jax.jit(traced).trace(params)  # what jax.eval_shape does, keeping the jaxpr
-  outs = stage.out_info
-  (session,) = sessions
-  skipped = session.skipped
+def _traced_call(
+  calls: dict[int, _Call],
+  selection: _Selection,
+  s: _Session,
+  cid: int,
+  name: str,
+  module: Any,
+  method: str,
+  kind: layers_lib.LayerKind,
+  call: Callable[[], Any],
+  *_: Any,
+) -> Any:
+  """The abstract trace's ``on_call``: runs a layer call and notes it in ``calls``."""
+  out = call()
+  spec, rows, config = None, 0, None
+  if selection.selects(name):
+    spec, rows, config = _spec_of_call(s, selection, name, module, method, kind, out)
+  elif name not in s.skipped:
+    s.skip(name, module, EXCLUDED)
+  calls[cid] = _Call(
+    name,
+    method,
+    spec,
+    jax.ShapeDtypeStruct(out.shape, out.dtype),
+    rows,
+    _varying_axes(out),
+    s.depth(),
+    type(module).__name__,
+    config,
+  )
+  if isinstance(out, jax.Array):
+    s.frames[-1].record[cid] = out
+  return out
+
+
+def _skip_elsewhere(session: _Session, calls: dict[int, _Call]) -> None:
+  """Lists the layers called only in traces that capture does not follow."""
   for name, module_type in session.elsewhere.items():
     if all(c.name != name for c in calls.values()):
-      skipped.setdefault(
+      session.skipped.setdefault(
         name,
         Skipped(
           name,
@@ -630,9 +750,21 @@ def _trace(
           " lax.while_loop, custom_vjp, jax.jit, ...); gradients pass through",
         ),
       )
-  selection.check_patterns([c.name for c in calls.values()])
-  leaves = dict(jax.tree_util.tree_flatten_with_path(params)[0])
-  stacks: dict[int, int] = {}  # how many leading axes of a call's weight are stacked
+
+
+def _stacked_axes(
+  calls: dict[int, _Call],
+  outs: dict[int, jax.ShapeDtypeStruct],
+  leaves: dict[tuple, Any],
+  skipped: dict[str, Skipped],
+) -> dict[int, int]:
+  """How many leading axes of each preconditioned call's weight are stacked.
+
+  The stacked axes must be leading axes of the scans and vmaps around the call
+  (``variable_axes={"params": 0}``); a layer whose weight is stacked otherwise
+  is skipped, with the reason.
+  """
+  stacks: dict[int, int] = {}
   for cid, c in calls.items():
     if c.spec is None or c.name in skipped:
       continue
@@ -651,6 +783,21 @@ def _trace(
         f"{c.spec.kernel_shape} stacked along the leading axes {mapped} of the scans "
         "and vmaps around it; stack it with variable_axes={'params': 0}",
       )
+  return stacks
+
+
+def _layer_slots(
+  calls: dict[int, _Call],
+  outs: dict[int, jax.ShapeDtypeStruct],
+  stacks: dict[int, int],
+  skipped: dict[str, Skipped],
+) -> tuple[dict[str, layers_lib.LayerSpec], list[_Slot]]:
+  """The preconditioned layers, by name, and where each of their calls comes from.
+
+  A call inside scans or vmaps is one call per index of their axes: of one
+  layer per slice of its stacked weight (named ``"stack/Dense_0[i]"``), or of
+  the same layer when the weight is shared.
+  """
   specs: dict[str, layers_lib.LayerSpec] = {}
   slots: list[_Slot] = []
   for cid in sorted(calls):
@@ -668,6 +815,34 @@ def _trace(
         specs[name] = dataclasses.replace(
           prev, methods=(*prev.methods, c.method), rows=prev.rows + c.rows
         )
+  return specs, slots
+
+
+def _trace(
+  fun: Callable[..., Any], params: Any, args: tuple, kwargs: dict, selection: _Selection
+) -> tuple[Layers, _Traced]:
+  """Traces the loss abstractly; returns the registry and the calls in order."""
+  calls: dict[int, _Call] = {}
+  ends: dict[int, int] = {}
+  sessions: list[_Session] = []
+  on_call = functools.partial(_traced_call, calls, selection)
+
+  def traced(params):
+    s = _Session(params, selection, on_call, {}, ends)
+    sessions.append(s)
+    with _capturing(s):
+      fun(params, *args, **kwargs)
+    return s.frames[0].record
+
+  stage = jax.jit(traced).trace(params)  # what jax.eval_shape does, keeping the jaxpr
+  outs = stage.out_info
+  (session,) = sessions
+  skipped = session.skipped
+  _skip_elsewhere(session, calls)
+  selection.check_patterns([c.name for c in calls.values()])
+  leaves = dict(jax.tree_util.tree_flatten_with_path(params)[0])
+  stacks = _stacked_axes(calls, outs, leaves, skipped)
+  specs, slots = _layer_slots(calls, outs, stacks, skipped)
   claimed = {plain_path(p) for s in specs.values() for p in _spec_leaves(s)} | session.owned
   is_nnx = isinstance(params, nnx.State) or session.nnx
   unclaimed = [p for p in leaves if not _explained(p, claimed, session, is_nnx)]
@@ -816,6 +991,7 @@ class _Mismatch(RuntimeError):
 
 
 _TRACES_KEPT = 8
+_TRACES_LOCK = threading.Lock()  # guards each `ValueAndGrad`'s kept traces
 
 
 def _signature(params: Any, args: tuple, kwargs: dict) -> Any:
@@ -903,10 +1079,11 @@ class ValueAndGrad:
     """A new abstract trace, kept under ``key`` (`_signature`) unless it is ``None``."""
     result = _trace(self._fun, params, args, kwargs, self._selection)
     if key is not None:
-      self._traces.pop(key, None)
-      self._traces[key] = result
-      while len(self._traces) > _TRACES_KEPT:
-        del self._traces[next(iter(self._traces))]
+      with _TRACES_LOCK:
+        self._traces.pop(key, None)
+        self._traces[key] = result
+        while len(self._traces) > _TRACES_KEPT:
+          del self._traces[next(iter(self._traces))]
     return result
 
   def layers(self, params: Any, *args: Any, **kwargs: Any) -> Layers:
