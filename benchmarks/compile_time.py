@@ -18,7 +18,11 @@ Cold single measurements in one process move by 10 to 20 % between runs, so
 processes (SGD then K-FAC in each, nothing compiled before) and prints each
 pair, the median ratio with its quartiles, and the ratio of the median times.
 
-Run: ``python benchmarks/compile_time.py [--quick] [--fresh N]``.
+Run: ``python benchmarks/compile_time.py [--quick] [--fresh N] [--publish]``. ``--publish``
+writes the results to ``benchmarks/results/compile_time.json`` (keeping each model's figures from
+before stacks) and the table (`render`) into ``docs/benchmarks/compile_time.md`` (its block
+``compile time``, `benchmarks.generated`); the same file's ``stacks_step_time`` gives the page's
+block ``stacks step time`` (`render_step_comparison`).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -39,12 +44,15 @@ import optax
 import kaisa_jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import generated
 from benchmarks.step_time import interleaved_seconds
 from experiments.tasks import CHARS, TransformerBlock
 
 BATCH = 64
 WIDTH = 128
 CADENCE = (10, 100)
+RESULTS = "compile_time.json"  # under benchmarks/results/
+LABELS = {"dense": "{depth} x Dense(128)", "transformer": "transformer, {depth} blocks"}
 
 
 class DenseStack(nn.Module):
@@ -134,7 +142,8 @@ def compile_seconds(fn, args) -> tuple[float, float, object]:
   return middle - start, time.perf_counter() - middle, compiled
 
 
-def bench(label: str, depth: int, problem, blocks: int) -> dict[str, float]:
+def bench(label: str, depth: int, problem, blocks: int) -> dict[str, Any]:
+  """Compiles and times one model's two steps, prints them, and returns its row of the results."""
   model, x, y = problem(depth)
   fns, plan = steps(model, x, y)
   times, compiled = {}, {}
@@ -152,7 +161,65 @@ def bench(label: str, depth: int, problem, blocks: int) -> dict[str, float]:
     f" | {step['sgd'] * 1e3:>8.2f} {step['kfac'] * 1e3:>8.2f} {step['kfac'] / step['sgd']:>6.2f}x",
     flush=True,
   )
-  return {"sgd": sl + sc, "kfac": kl + kc}
+  return {
+    "model": LABELS[label].format(depth=depth),
+    "layers": len(plan.layers),
+    "stacks": stacks,
+    "sgd_seconds": sl + sc,
+    "kfac_seconds": kl + kc,
+    "ratio": (kl + kc) / (sl + sc),
+    "step_ratio": step["kfac"] / step["sgd"],
+    "sgd_lower_compile": [sl, sc],
+    "kfac_lower_compile": [kl, kc],
+    "step_ms": {"sgd": step["sgd"] * 1e3, "kfac": step["kfac"] * 1e3},
+  }
+
+
+def render(results: dict[str, Any]) -> str:
+  """The compile-time table: seconds to trace, lower and compile each step, before stacks and now.
+
+  The columns before stacks are shown where a model has them (``before``).
+  """
+  lines = [
+    "| model | layers | stacks | SGD s | K-FAC s before stacks | ratio before | K-FAC s now "
+    "| ratio now | step ratio now |",
+    "|---|---|---|---|---|---|---|---|---|",
+  ]
+  for m in results["models"]:
+    before = m.get("before")
+    was = [f"{before['kfac_seconds']:.2f}", f"{before['ratio']:.1f}x"] if before else ["", ""]
+    cells = [
+      m["model"],
+      str(m["layers"]),
+      str(m["stacks"]),
+      f"{m['sgd_seconds']:.2f}",
+      *was,
+      f"{m['kfac_seconds']:.2f}",
+      f"**{m['ratio']:.1f}x**",
+      f"{m['step_ratio']:.2f}x",
+    ]
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def render_step_comparison(results: dict[str, Any]) -> str:
+  """K-FAC+SGD over SGD per process, before stacks and now (``stacks_step_time``).
+
+  "Now" is in bold where every process now is below every process before.
+  """
+
+  def cell(m: dict[str, Any], bold: bool) -> str:
+    text = ", ".join(f"{r:.2f}x" for r in m["ratios"])
+    text = f"**{text}**" if bold else text
+    if "kfac_ms" in m:
+      text += " (" + ", ".join(f"{t:.1f}" for t in m["kfac_ms"]) + " ms)"
+    return text
+
+  lines = ["| model | before stacks | now |", "|---|---|---|"]
+  for row in results["stacks_step_time"]["rows"]:
+    faster = max(row["now"]["ratios"]) < min(row["before"]["ratios"])
+    lines.append(f"| {row['model']} | {cell(row['before'], False)} | {cell(row['now'], faster)} |")
+  return "\n".join(lines)
 
 
 def cold_pair(depth: int) -> tuple[float, float]:
@@ -205,7 +272,14 @@ def main() -> None:
     "--fresh", type=int, default=0, metavar="N", help="also the deepest stack in N fresh processes"
   )
   parser.add_argument("--cold", type=int, help=argparse.SUPPRESS)  # one fresh process's pair
+  parser.add_argument(
+    "--publish",
+    action="store_true",
+    help=f"write benchmarks/results/{RESULTS} and the table in docs/benchmarks/compile_time.md",
+  )
   args = parser.parse_args()
+  if args.publish and args.quick:
+    parser.error("--publish publishes a full run, not --quick")
   if args.fresh < 0:
     parser.error(f"--fresh takes a number of processes, 0 or more; got {args.fresh}")
   if args.cold:
@@ -223,12 +297,28 @@ def main() -> None:
     f" | {'SGD ms':>8} {'K-FAC ms':>8} {'ratio':>7}"
   )
   totals = {d: bench("dense", d, dense_problem, blocks) for d in dense}
-  for d in blocks_tf:
-    bench("transformer", d, transformer_problem, blocks)
+  rows = [
+    *totals.values(),
+    *(bench("transformer", d, transformer_problem, blocks) for d in blocks_tf),
+  ]
   first, last = dense[0], dense[-1]
   for name in ("sgd", "kfac"):
-    growth = totals[last][name] / totals[first][name]
+    growth = totals[last][f"{name}_seconds"] / totals[first][f"{name}_seconds"]
     print(f"{name} compile growth from {first} to {last} dense layers: {growth:.1f}x")
+  if args.publish:
+    committed = generated.load(RESULTS)
+    before = {m["model"]: m["before"] for m in committed["models"] if "before" in m}
+    results = committed | {
+      "provenance": f"models: written by `python benchmarks/compile_time.py --publish` (jax "
+      f"{jax.__version__}); each model's `before` kept from the earlier file",
+      "jax": jax.__version__,
+      "models": [
+        m | ({"before": before[m["model"]]} if m["model"] in before else {}) for m in rows
+      ],
+    }
+    print(render(results))
+    for path in generated.publish(RESULTS, results):
+      print(f"written: {path}")
   if args.fresh:
     fresh_processes(last, args.fresh)
 

@@ -1,9 +1,9 @@
 """Projected time to target on N data-parallel devices: measured steps x projected seconds per step.
 
-For each task with scaling results (``python -m experiments scale``, in
-``results/TASK/scale/scale.jsonl``), each optimizer and each global batch ``B``
-of the study where every seed reached the target, and ``N = 1, 2, 4, ..., 64``
-devices (per-device batch ``b = B / N``)::
+For each task of the scaling study's summary (``benchmarks/results/scaling.json``,
+written by ``python -m experiments scale-summary --publish``), each optimizer and
+each global batch ``B`` of the study where every seed reached the target, and
+``N = 1, 2, 4, ..., 64`` devices (per-device batch ``b = B / N``)::
 
   time to target (N, B) = steps to target at B      (measured on this CPU; steps do not depend on hardware)
                         x seconds per step (N, b)    (PROJECTED: kaisa_jax.analysis.projection, per preset cluster)
@@ -19,8 +19,10 @@ interpolated (a third compile checks it). Per ``N`` the table gives each
 optimizer's fastest ``B``. Nothing here ran on the clusters named.
 
 Run: ``python benchmarks/projected_time_to_target.py [--tasks mnist1d resnet autoencoder]
-[--out results] [--readme README.md]``; writes ``OUT/TASK/scale/projected.md`` and
-``projected.png``, and with ``--readme`` the tables between the README's projection markers.
+[--scaling FILE] [--publish]``; prints the tables (`render`). ``--publish`` writes the
+projections to ``benchmarks/results/projected_time_to_target.json``, the tables into
+``docs/benchmarks/projection.md`` (its block ``projected time to target``,
+`benchmarks.generated`) and the figures to ``docs/figures/projected-TASK.png``.
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ import matplotlib.pyplot as plt
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kaisa_jax
+from benchmarks import generated
 from experiments import optimizers, tasks
-from experiments.files import write_text
 from experiments.report import NAMES
 from experiments.train import make_step
 from kaisa_jax.analysis import projection
@@ -51,15 +53,14 @@ from kaisa_jax.analysis import projection
 DEVICES = (1, 2, 4, 8, 16, 32, 64)
 PRESETS = (kaisa_jax.DGX_A100, kaisa_jax.DGX_H100)
 FACTOR_STEPS, INV_STEPS = 10, 100  # experiments.optimizers' K-FAC cadence
-BEGIN = "<!-- projected table: written by benchmarks/projected_time_to_target.py -->"
-END = "<!-- end of projected table -->"
+RESULTS = "projected_time_to_target.json"  # under benchmarks/results/
+SCALING = generated.RESULTS / "scaling.json"
+FIGURES = generated.ROOT / "docs" / "figures"
 
 
-def load(out: Path, task: str) -> list[dict[str, Any]]:
-  path = out / task / "scale" / "scale.jsonl"
-  if not path.exists():
-    return []
-  return [json.loads(line) for line in path.read_text().splitlines()]
+def load(path: Path, task: str) -> list[dict[str, Any]]:
+  """The task's lines of a scaling summary (`experiments.scale.summary_lines`); none if absent."""
+  return json.loads(path.read_text())["tasks"].get(task, [])
 
 
 def weighed_at(layers: kaisa_jax.Layers, n: int) -> kaisa_jax.Layers:
@@ -150,7 +151,7 @@ def project_task(task_name: str, lines: list[dict[str, Any]]) -> dict[str, Any]:
   task = tasks.TASKS[task_name]()
   names = list(dict.fromkeys(line["optimizer"] for line in lines))
   reached = [line for line in lines if line["mean_steps_to_target"] is not None]
-  out: dict[str, Any] = {p.name: {n: {} for n in DEVICES} for p in PRESETS}
+  out: dict[str, Any] = {p.name: {str(n): {} for n in DEVICES} for p in PRESETS}
   check = None
   for line in reached:
     name, big = line["optimizer"], line["batch"]
@@ -168,31 +169,43 @@ def project_task(task_name: str, lines: list[dict[str, Any]]) -> dict[str, Any]:
       for preset in PRESETS:
         seconds, fraction = seconds_per_step(c, preset, n, layers)
         total = line["mean_steps_to_target"] * seconds
-        best = out[preset.name][n].get(name)
+        best = out[preset.name][str(n)].get(name)
         if best is None or total < best["seconds"]:
-          out[preset.name][n][name] = {
+          out[preset.name][str(n)][name] = {
             "seconds": total,
             "batch": big,
             "steps": line["mean_steps_to_target"],
             "fraction": None if fraction is None else str(fraction),
           }
-  return {"task": task_name, "names": names, "best": out, "linearity": check}
+  return {
+    "task": task_name,
+    "names": names,
+    "best": out,
+    "ratios": {p: {n: best_ratio(row) for n, row in rows.items()} for p, rows in out.items()},
+    "linearity": check,
+  }
 
 
-def table(result: dict[str, Any]) -> str:
+def best_ratio(row: dict[str, Any]) -> float | None:
+  """The best K-FAC variant's seconds to target over the best baseline's (None: one missed)."""
+  base = [r["seconds"] for name, r in row.items() if not optimizers.is_kfac(name)]
+  kfac = [r["seconds"] for name, r in row.items() if optimizers.is_kfac(name)]
+  return min(kfac) / min(base) if base and kfac else None
+
+
+def table(result: dict[str, Any], presets: list[str]) -> str:
+  """One task's projections as Markdown: per preset, each optimizer's best time per N."""
   names = result["names"]
-  baselines = [n for n in names if not optimizers.is_kfac(n)]
   lines = []
-  for preset in PRESETS:
+  for preset in presets:
     lines += [
-      f"**{result['task']}, PROJECTED on {preset.name}** (seconds to target = measured steps x "
+      f"**{result['task']}, PROJECTED on {preset}** (seconds to target = measured steps x "
       "projected seconds per step; best global batch B per N)",
       "",
       "| N | " + " | ".join(NAMES.get(n, n) for n in names) + " | best K-FAC / best baseline |",
       "|---" * (len(names) + 2) + "|",
     ]
-    for n in DEVICES:
-      row = result["best"][preset.name][n]
+    for n, row in result["best"][preset].items():
       cells = []
       for name in names:
         r = row.get(name)
@@ -201,26 +214,36 @@ def table(result: dict[str, Any]) -> str:
           continue
         f = f", f={r['fraction']}" if r["fraction"] else ""
         cells.append(f"{r['seconds']:.3g} s (B={r['batch']}{f})")
-      base = [row[b]["seconds"] for b in baselines if b in row]
-      kfac = [row[k]["seconds"] for k in names if optimizers.is_kfac(k) and k in row]
-      ratio = f"{min(kfac) / min(base):.2f}x" if base and kfac else "n/a"
-      lines.append(f"| {n} | " + " | ".join(cells) + f" | {ratio} |")
+      ratio = result["ratios"][preset][n]
+      ratio_text = "n/a" if ratio is None else f"{ratio:.2f}x"
+      lines.append(f"| {n} | " + " | ".join(cells) + f" | {ratio_text} |")
     lines.append("")
+  linearity = result["linearity"] or 0
+  lines.append(
+    "Linear interpolation in the per-device batch checked at B/8: largest relative error "
+    f"{linearity:.1e}."
+  )
   return "\n".join(lines)
 
 
-def figure(result: dict[str, Any], path: Path) -> None:
-  fig, axes = plt.subplots(1, len(PRESETS), figsize=(6 * len(PRESETS), 4), squeeze=False)
-  for ax, preset in zip(axes[0], PRESETS, strict=True):
+def render(results: dict[str, Any]) -> str:
+  """Every task's tables (what the script prints, and the block ``projected time to target``)."""
+  return "\n\n".join(table(result, results["presets"]) for result in results["tasks"])
+
+
+def figure(result: dict[str, Any], presets: list[str], path: Path) -> None:
+  fig, axes = plt.subplots(1, len(presets), figsize=(6 * len(presets), 4), squeeze=False)
+  for ax, preset in zip(axes[0], presets, strict=True):
     for name in result["names"]:
-      ns = [n for n in DEVICES if name in result["best"][preset.name][n]]
-      ts = [result["best"][preset.name][n][name]["seconds"] for n in ns]
+      best = result["best"][preset]
+      ns = [int(n) for n in best if name in best[n]]
+      ts = [best[str(n)][name]["seconds"] for n in ns]
       ax.plot(ns, ts, marker="o", label=NAMES.get(name, name))
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("devices N")
     ax.set_ylabel("PROJECTED seconds to target")
-    ax.set_title(f"{result['task']}: {preset.name.split(' (')[0]} (projection)")
+    ax.set_title(f"{result['task']}: {preset.split(' (')[0]} (projection)")
     ax.legend()
   fig.tight_layout()
   path.parent.mkdir(parents=True, exist_ok=True)
@@ -231,32 +254,39 @@ def figure(result: dict[str, Any], path: Path) -> None:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--tasks", nargs="+", default=["mnist1d", "resnet", "autoencoder"])
-  parser.add_argument("--out", type=Path, default=Path("results"))
-  parser.add_argument("--readme", type=Path, default=None)
+  parser.add_argument(
+    "--scaling",
+    type=Path,
+    default=SCALING,
+    help="the scaling study's summary (python -m experiments scale-summary writes one)",
+  )
+  parser.add_argument(
+    "--publish",
+    action="store_true",
+    help=f"write benchmarks/results/{RESULTS}, its block in the docs and the figures",
+  )
   args = parser.parse_args()
-  texts = []
+  results: dict[str, Any] = {
+    "provenance": "written by `python benchmarks/projected_time_to_target.py --tasks "
+    f"{' '.join(args.tasks)} --publish` from {args.scaling.name}, jax {jax.__version__}",
+    "presets": [p.name for p in PRESETS],
+    "tasks": [],
+  }
   for name in args.tasks:
-    lines = load(args.out, name)
+    lines = load(args.scaling, name)
     if not lines:
       print(
-        f"{name}: no scaling results in {args.out / name / 'scale'}; run python -m experiments scale --task {name}"
+        f"{name}: no scaling results in {args.scaling}; run python -m experiments scale-summary"
       )
       continue
     result = project_task(name, lines)
-    text = table(result)
-    text += f"\nLinear interpolation in the per-device batch checked at B/8: largest relative error {result['linearity'] or 0:.1e}.\n"
-    print(text)
-    folder = args.out / name / "scale"
-    write_text(folder / "projected.md", text)
-    figure(result, folder / "projected.png")
-    texts.append(text)
-  if args.readme is not None and texts:
-    readme = args.readme.read_text()
-    if BEGIN not in readme or END not in readme:
-      raise SystemExit(f"{args.readme} has no markers {BEGIN} ... {END}")
-    head, rest = readme.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    write_text(args.readme, head + BEGIN + "\n" + "\n".join(texts) + END + tail)
+    print(table(result, results["presets"]) + "\n")
+    results["tasks"].append(result)
+  if args.publish and results["tasks"]:
+    for path in generated.publish(RESULTS, results):
+      print(f"written: {path}")
+    for result in results["tasks"]:
+      figure(result, results["presets"], FIGURES / f"projected-{result['task']}.png")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,11 @@ and which a GPU's allocator, keeping its pool, does not do. The page faults
 per step are printed either way.
 
 Run: ``python benchmarks/projection.py [--blocks 5] [--models mnist1d resnet mlp]
-[--allocator kept|default]``.
+[--allocator kept|default] [--publish]``. ``--publish`` adds the run to
+``benchmarks/results/projection.json`` (which keeps the latest `RUNS_KEPT`) and writes the table
+(`render`) into ``docs/benchmarks/projection.md`` (its block ``projected step time``,
+`benchmarks.generated`). The same page's block ``cluster presets`` (`render_presets`) is written
+from the library's presets, `kaisa_jax.cluster.PRESETS`.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import argparse
 import dataclasses
 import sys
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from step_time import MLP, interleaved_seconds, keep_freed_memory, page_faults
 
 import kaisa_jax
+from benchmarks import generated
 from experiments import optimizers, tasks
 from experiments.train import make_step
 from kaisa_jax import cluster as cluster_lib
@@ -47,6 +53,17 @@ SGD = optimizers.Optimizer("sgd", 0.01)
 KFAC = optimizers.Optimizer("kfac", 0.01, {"damping": 1e-2})
 FACTOR_STEPS, INV_STEPS = 10, 100  # experiments.optimizers' K-FAC cadence (kaisa_jax's defaults)
 TOLERANCE = 0.3
+RESULTS = "projection.json"  # under benchmarks/results/
+RUNS_KEPT = 2  # runs the results file and its table keep
+PROVENANCE = (
+  f"runs of `python benchmarks/projection.py` with freed memory kept, the latest {RUNS_KEPT} "
+  "(`--publish` adds one); each run says where it comes from"
+)
+LABELS = {
+  "mnist1d": "MNIST-1D CNN",
+  "resnet": "ResNet with BatchNorm (the task's)",
+  "mlp": "MLP 784-512-512-512-10",
+}
 
 
 def mlp_task() -> tasks.Task:
@@ -110,6 +127,48 @@ def kfac_work(task: tasks.Task, carry, batch) -> projection.KFACWork:
   )
 
 
+def render(results: dict[str, Any]) -> str:
+  """Measured against projected step time, each run's figures side by side (``a, b``)."""
+  runs = [r["models"] for r in results["runs"]]
+  lines = [
+    "| model | SGD measured | SGD projected | ratio | K-FAC measured | K-FAC projected | ratio |",
+    "|---|---|---|---|---|---|---|",
+  ]
+  for model, label in results["labels"].items():
+    cells = [label]
+    for opt in ("SGD", "K-FAC"):
+      at = [r[model][opt] for r in runs if model in r]
+      cells += [
+        ", ".join(f"{m['measured_ms']:.2f}" for m in at) + " ms",
+        ", ".join(f"{m['projected_ms']:.2f}" for m in at) + " ms",
+        ", ".join(f"{m['ratio']:.2f}x" for m in at),
+      ]
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def render_presets() -> str:
+  """The cluster presets' figures (`kaisa_jax.cluster.PRESETS`) as a table."""
+  gb = cluster_lib.GB
+  lines = [
+    "| preset | FP32 FLOP/s | memory | NVLink (one direction) | InfiniBand per GPU "
+    "| devices per node | assumed: collective latency, kernel launch |",
+    "|---|---|---|---|---|---|---|",
+  ]
+  for key, c in cluster_lib.PRESETS.items():
+    cells = [
+      f"`{key.upper()}`",
+      f"{c.flops_per_s / 1e12:g} T",
+      f"{c.memory / gb:g} GB, {c.memory_bandwidth / gb:g} GB/s",
+      f"{c.intra_node_bandwidth / gb:g} GB/s",
+      f"{c.inter_node_bandwidth / gb:g} GB/s ({c.inter_node_bandwidth * 8 / 1e9:g} Gb/s)",
+      str(c.devices_per_node),
+      f"{c.latency * 1e6:g} us, {c.kernel_overhead * 1e6:g} us",
+    ]
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--blocks", type=int, default=5, help="timed blocks of 100 steps")
@@ -121,7 +180,15 @@ def main() -> None:
     help="kept: freed memory is reused (step_time.keep_freed_memory), as a GPU's allocator "
     "does; default: glibc's, which unmaps blocks above 32 MB and faults them in at every call",
   )
+  parser.add_argument(
+    "--publish",
+    action="store_true",
+    help=f"add the run to benchmarks/results/{RESULTS} and write its table into "
+    "docs/benchmarks/projection.md",
+  )
   args = parser.parse_args()
+  if args.publish and (args.allocator != "kept" or set(args.models) != set(MODELS)):
+    parser.error("--publish publishes a run of every model with freed memory kept")
   kept = args.allocator == "kept" and keep_freed_memory()
   host = projection.measure_host()
   probes = projection.host_probes()
@@ -143,6 +210,11 @@ def main() -> None:
   if preset is not None:
     print(f"also projected with the preset {preset.name} ({preset.source})")
   worst = 0.0
+  run: dict[str, Any] = {
+    "provenance": f"written by `python benchmarks/projection.py --blocks {args.blocks} --publish`",
+    "jax": jax.__version__,
+    "models": {},
+  }
   for name in args.models:
     task = dataclasses.replace(MODELS[name](), batch_size=BATCH)
     sgd_step, sgd_carry, sgd_compiled, batch = built(task, SGD)
@@ -184,6 +256,12 @@ def main() -> None:
     for opt, c in costs.items():
       ratio = projected[opt].total / measured[opt]
       worst = max(worst, abs(ratio - 1.0))
+      run["models"].setdefault(name, {})[opt] = {
+        "measured_ms": 1e3 * measured[opt],
+        "projected_ms": 1e3 * projected[opt].total,
+        "ratio": ratio,
+        "page_faults": faults[opt],
+      }
       extra = ""
       if preset is not None:
         kfac = work if opt == "K-FAC" else None
@@ -196,6 +274,16 @@ def main() -> None:
       )
   verdict = "within" if worst <= TOLERANCE else "NOT within"
   print(f"largest deviation {100 * worst:.0f}%: {verdict} the {100 * TOLERANCE:.0f}% target")
+  if args.publish:
+    committed = generated.load(RESULTS)
+    results = committed | {
+      "provenance": PROVENANCE,
+      "labels": LABELS,
+      "runs": [*committed["runs"], run][-RUNS_KEPT:],
+    }
+    print(render(results))
+    for path in generated.publish(RESULTS, results):
+      print(f"written: {path}")
 
 
 if __name__ == "__main__":

@@ -28,8 +28,8 @@ Results go to ``benchmarks/results/robustness.json`` (``--out`` another file);
 K-FAC's final loss over the tuned baseline's for each problem and damping; per
 form and damping, the wins and the worst and typical ratio over the problems;
 per form, the spread over `DAMPINGS`; the runs grouped by their relative
-damping. ``--readme`` writes them into README.md (between `BEGIN` and `END`),
-``--figure PATH`` draws them.
+damping. ``--page`` writes them into docs/benchmarks/robustness.md (its block
+``robustness``, `benchmarks.generated`), ``--figure PATH`` draws them.
 
 Run: ``python benchmarks/robustness.py [--problems vit gru ...] [--seeds 3]``
 (about two hours on 2 CPU cores for the whole suite, most of it the BatchNorm
@@ -54,6 +54,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kaisa_jax
+from benchmarks import generated
 from experiments import suite
 
 RESULTS = Path(__file__).parent / "results" / "robustness.json"
@@ -252,7 +253,7 @@ def curvature_table(results: dict[str, Any], key: str) -> str:
 
 
 def report(results: dict[str, Any]) -> str:
-  """Every table, as Markdown (what ``--table`` prints and the README holds)."""
+  """Every table, as Markdown (what ``--table`` prints and the block ``robustness`` holds)."""
   parts = [
     f"{results['seeds']} seeds, {results['steps']} steps, final loss the mean of the last "
     f"{results['tail']}; each cell: K-FAC's mean final loss over the tuned baseline's "
@@ -298,15 +299,7 @@ def figure(results: dict[str, Any], path: Path) -> None:
   fig.savefig(path, dpi=120)
 
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-BEGIN, END = "<!-- robustness: begin -->", "<!-- robustness: end -->"
-
-
-def with_report(readme: str, results: dict[str, Any]) -> str:
-  """``readme`` with the text between `BEGIN` and `END` replaced by `report`."""
-  head, rest = readme.split(BEGIN)
-  _, tail = rest.split(END)
-  return f"{head}{BEGIN}\n{report(results)}\n{END}{tail}"
+BLOCK = "robustness"  # the block of docs/benchmarks/robustness.md that `report` writes
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -324,7 +317,11 @@ def main(argv: list[str] | None = None) -> None:
   )
   parser.add_argument("--table", action="store_true", help="print the tables of the saved results")
   parser.add_argument("--figure", type=Path, help="draw the saved results into this file")
-  parser.add_argument("--readme", action="store_true", help="write the tables into README.md")
+  parser.add_argument(
+    "--page",
+    action="store_true",
+    help="write the tables into docs/benchmarks/robustness.md (every file holding the block)",
+  )
   parser.add_argument(
     "--out", type=Path, default=RESULTS, help="the results file (read, then updated)"
   )
@@ -332,7 +329,7 @@ def main(argv: list[str] | None = None) -> None:
   if args.seeds < 1:
     parser.error("--seeds must be at least 1")
   results = load(args.out)
-  if not (args.table or args.figure or args.readme):
+  if not (args.table or args.figure or args.page):
     for name in args.problems:
       print(name, flush=True)
       previous = results["problems"].get(name) if args.reuse_baseline else None
@@ -348,8 +345,9 @@ def main(argv: list[str] | None = None) -> None:
       args.out.parent.mkdir(parents=True, exist_ok=True)
       args.out.write_text(json.dumps(results, indent=1) + "\n")
   print(report(results))
-  if args.readme:
-    README.write_text(with_report(README.read_text(), results))
+  if args.page:
+    for path in generated.write(BLOCK, report(results)):
+      print(f"tables written to {path}")
   if args.figure:
     figure(results, args.figure)
 

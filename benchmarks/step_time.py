@@ -14,19 +14,24 @@ the ratio implied by FLOPs alone, and where K-FAC's time goes per phase.
   inv_update_steps``). XLA does not count LAPACK custom calls; they are added as
   ``9 n^3`` per ``syevd`` (eigh) and ``n^3 / 3`` per ``potrf`` (Cholesky).
 
-Run: ``python benchmarks/step_time.py [--quick]``.
+Run: ``python benchmarks/step_time.py [--quick] [--publish]``. ``--publish`` writes the
+results to ``benchmarks/results/step_time.json`` and the table (`render`) into
+``docs/benchmarks/speed.md`` (its block ``step time``, `benchmarks.generated`). The same page's
+block ``allocator`` (`render_allocator`) is rendered from ``benchmarks/results/allocator.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import math
 import resource
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -38,6 +43,7 @@ from kaisa_jax import distribution, transform
 from kaisa_jax.analysis import projection
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import generated
 from experiments.tasks import MNIST1DCNN
 
 # Ratios measured on this machine (2 CPU cores) for the KAISA reference
@@ -47,6 +53,13 @@ REFERENCE = {
   "cnn": "KAISA reference 1.55x",
   "mnist1d": "kfac-jax 8.8-87x",
 }
+# What the table calls each model.
+LABELS = {
+  "mlp": "MLP 784-512-512-512-10",
+  "cnn": "CNN 32x32x3, conv 32-64-64 + dense",
+  "mnist1d": "MNIST-1D CNN, 3 conv1d(32, k5) + dense",
+}
+RESULTS = "step_time.json"  # under benchmarks/results/
 CADENCES = ((1, 10), (10, 100))
 BATCH = 128
 DAMPING, DECAY = jnp.float32(1e-2), jnp.float32(0.95)
@@ -153,7 +166,8 @@ def interleaved_seconds(steps: dict[str, tuple[Callable, tuple]], batch, block: 
   return {name: statistics.median(m) for name, m in means.items()}
 
 
-def bench_model(name: str, blocks: int) -> None:
+def bench_model(name: str, blocks: int) -> dict[str, Any]:
+  """Times one model's SGD and K-FAC steps, prints them, and returns its row of the results."""
   model, shape = MODELS[name]
   kx, ky, kp = jax.random.split(jax.random.key(0), 3)
   x = jax.random.normal(kx, shape)
@@ -195,6 +209,13 @@ def bench_model(name: str, blocks: int) -> None:
 
   # Per-phase costs; they do not depend on the cadence but the plan may.
   print(f"\n== {name}: SGD step {t_sgd * 1e3:.2f} ms, {f_sgd / 1e6:.1f} MFLOP ({REFERENCE[name]})")
+  row: dict[str, Any] = {
+    "model": name,
+    "label": LABELS[name],
+    "sgd_ms": t_sgd * 1e3,
+    "sgd_mflop": f_sgd / 1e6,
+    "cadences": [],
+  }
   print(
     f"{'cadence':>9} {'K-FAC ms':>9} {'ratio':>7} {'FLOP ratio':>10} {'measured/FLOP':>13} |"
     f" per phase, ms per call (amortised ms per step): capture, factors, decomposition, preconditioning"
@@ -252,17 +273,98 @@ def bench_model(name: str, blocks: int) -> None:
       f"{f'({factor_steps},{inv_steps})':>9} {t_kfac * 1e3:>9.2f} {ratio:>6.2f}x {f_ratio:>9.2f}x"
       f" {ratio / f_ratio:>13.2f} | {per_phase}"
     )
+    row["cadences"].append(
+      {
+        "cadence": [factor_steps, inv_steps],
+        "kfac_ms": t_kfac * 1e3,
+        "ratio": ratio,
+        "flop_ratio": f_ratio,
+        "measured_over_flop": ratio / f_ratio,
+        "phases_ms": {k: t * 1e3 for k, (t, _, _) in phases.items()},
+      }
+    )
   print(kfac.plan)
+  return row
+
+
+def sig3(x: float) -> str:
+  """``x`` to three significant digits, trailing zeros kept: 5.80, 125, 0.0123."""
+  decimals = max(0, 2 - math.floor(math.log10(abs(x)))) if x else 2
+  return f"{x:.{decimals}f}"
+
+
+def render(results: dict[str, Any]) -> str:
+  """The step-time table: SGD's step, and per cadence K-FAC+SGD over SGD against the FLOP ratio.
+
+  The last cadence's ratio is in bold, with its measured ratio over the FLOP ratio.
+  """
+  cadences = [tuple(c["cadence"]) for c in results["models"][0]["cadences"]]
+  last = cadences[-1]
+  head = ["model", "SGD step"]
+  for f, i in cadences:
+    head += [f"K-FAC ({f}, {i})", "FLOP ratio"]
+  head.append(f"measured / FLOP at ({last[0]}, {last[1]})")
+  lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+  for m in results["models"]:
+    cells = [m["label"], f"{sig3(m['sgd_ms'])} ms"]
+    for c in m["cadences"]:
+      ratio = f"{c['ratio']:.2f}x"
+      cells += [f"**{ratio}**" if tuple(c["cadence"]) == last else ratio, f"{c['flop_ratio']:.2f}x"]
+    cells.append(f"{m['cadences'][-1]['measured_over_flop']:.2f}")
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def allocator_cell(m: dict[str, Any]) -> str:
+  """One measurement of the allocator table: a ratio (with its step time), or times and faults."""
+  ms = " and ".join(f"{t:.2f}" for t in m.get("ms", []))
+  if "ratio" in m:
+    return f"{m['ratio']:.2f}x" + (f" ({ms} ms)" if ms else "")
+  faults = m["page_faults"]
+  return f"{ms} ms, " + ("none" if faults == 0 else f"{faults:,} page faults per step")
+
+
+def render_allocator(results: dict[str, Any]) -> str:
+  """The allocator table: each step with glibc's default and with freed memory kept."""
+  lines = [
+    "| step | glibc's default | freed memory kept | command |",
+    "|---|---|---|---|",
+  ]
+  for row in results["rows"]:
+    cells = [row["step"], allocator_cell(row["default"]), allocator_cell(row["kept"])]
+    lines.append("| " + " | ".join([*cells, row["command"]]) + " |")
+  return "\n".join(lines)
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="fewer timing blocks")
   parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+  parser.add_argument(
+    "--publish",
+    action="store_true",
+    help=f"write benchmarks/results/{RESULTS} and the table in docs/benchmarks/speed.md",
+  )
   args = parser.parse_args()
-  print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, batch {BATCH}")
-  for name in args.models:
-    bench_model(name, blocks=3 if args.quick else 7)
+  if args.publish and (args.quick or set(args.models) != set(MODELS)):
+    parser.error("--publish publishes a full run: every model, without --quick")
+  device = jax.devices()[0].device_kind
+  print(f"jax {jax.__version__} on {device}, batch {BATCH}")
+  blocks = 3 if args.quick else 7
+  rows = [bench_model(name, blocks=blocks) for name in args.models]
+  results = {
+    "provenance": f"written by `python benchmarks/step_time.py --publish` (jax {jax.__version__})",
+    "device": device,
+    "jax": jax.__version__,
+    "batch": BATCH,
+    "blocks": blocks,
+    "models": rows,
+  }
+  print()
+  print(render(results))
+  if args.publish:
+    for path in generated.publish(RESULTS, results):
+      print(f"written: {path}")
 
 
 if __name__ == "__main__":

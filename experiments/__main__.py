@@ -12,12 +12,17 @@ each optimizer's grid on a validation split and writes the chosen settings to
 ``table.md`` from the results files of an earlier ``compare`` (no training),
 and refuses results made with different steps or evaluations. ``summary``
 gathers the ``compare`` results of several tasks (``--tasks``) into
-``OUT/summary.md`` and, with ``--readme``, into that file between its
-experiments-table markers. ``scale`` runs the batch-size scaling study of one
-task (`experiments.scale`: steps to target against the batch size, critical
-batch sizes) into ``OUT/TASK/scale/``; ``scale-summary`` gathers several
-tasks' studies into ``OUT/scale-summary.md`` and, with ``--readme``, between
-that file's scaling-table markers.
+``OUT/summary.json`` (`experiments.report.summarise`) and ``OUT/summary.md``;
+with ``--readme FILE`` it also writes the table into FILE's block ``results
+table`` (`benchmarks.generated`), and with ``--publish`` it writes the summary to
+``benchmarks/results/experiments.json`` and every block drawn from it (the
+README's results table, ``docs/benchmarks/experiments.md``). ``scale`` runs the
+batch-size scaling study of one task (`experiments.scale`: steps to target
+against the batch size, critical batch sizes) into ``OUT/TASK/scale/``;
+``scale-summary`` gathers several tasks' studies into
+``OUT/scale-summary.json`` and ``OUT/scale-summary.md``, and with ``--publish``
+into ``benchmarks/results/scaling.json``, ``docs/benchmarks/scaling.md`` and the
+figures ``docs/figures/scale-TASK.png``.
 
 Arguments are checked before anything trains or is written (exit status 2 and
 a message otherwise), and every file is written whole or not at all.
@@ -32,9 +37,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks import generated
 from experiments import files, optimizers, scale, tasks
 from experiments.plots import plot_curvature, plot_runs
-from experiments.report import markdown_table, summary_table
+from experiments.report import markdown_table, summarise, summary_markdown
 from experiments.sweep import sweep
 from experiments.train import train
 
@@ -45,11 +51,12 @@ RUN_OPTIMIZER = "sgd"
 RUN_FOLDER = "run"  # run mode's results, apart from compare's
 SUMMARY_TASKS = ("mnist1d", "resnet", "autoencoder", "charlm")
 SEED_LIMIT = 2**32  # seeds are 0 .. 2**32 - 1
-BEGIN = "<!-- experiments table: written by python -m experiments summary -->"
-END = "<!-- end of experiments table -->"
+BLOCK = "results table"  # the README's block that summary writes (benchmarks/generated.py)
+BEGIN, END = generated.begin(BLOCK), generated.end(BLOCK)
+SUMMARY_RESULTS = "experiments.json"  # under benchmarks/results/: what --publish writes
 SCALE_TASKS = ("mnist1d", "resnet", "autoencoder")
-SCALE_BEGIN = "<!-- scaling table: written by python -m experiments scale-summary -->"
-SCALE_END = "<!-- end of scaling table -->"
+SCALE_RESULTS = "scaling.json"
+FIGURES = generated.ROOT / "docs" / "figures"  # scale-summary --publish draws scale-TASK.png
 
 Runs = dict[str, list[list[dict[str, Any]]]]
 
@@ -110,27 +117,22 @@ def settings_file(text: str) -> Path:
   return path
 
 
-def has_markers(text: str, begin: str = BEGIN, end: str = END) -> bool:
-  """Whether ``text`` holds the markers ``begin`` before ``end`` (the experiments table's)."""
-  return begin in text and end in text.split(begin, 1)[1]
+def has_block(text: str, name: str = BLOCK) -> bool:
+  """Whether ``text`` holds the block ``name`` (by default the results table's), well formed."""
+  try:
+    return name in {found for found, _, _ in generated.blocks_in(text)}
+  except ValueError:
+    return False
 
 
-def markers_file(begin: str, end: str, what: str) -> Callable[[str], Path]:
-  """An argparse ``type``: a file with the ``what`` markers ``begin`` ... ``end``."""
-
-  def check(text: str) -> Path:
-    path = Path(text)
-    if not path.is_file():
-      raise argparse.ArgumentTypeError(f"no file {text}")
-    if not has_markers(path.read_text(), begin, end):
-      raise argparse.ArgumentTypeError(f"{text} has no {what} markers {begin} ... {end}")
-    return path
-
-  return check
-
-
-readme_file = markers_file(BEGIN, END, "experiments-table")
-scale_readme_file = markers_file(SCALE_BEGIN, SCALE_END, "scaling-table")
+def readme_file(text: str) -> Path:
+  """A file holding the results-table block (an argparse ``type``)."""
+  path = Path(text)
+  if not path.is_file():
+    raise argparse.ArgumentTypeError(f"no file {text}")
+  if not has_block(path.read_text()):
+    raise argparse.ArgumentTypeError(f"{text} has no results-table markers {BEGIN} ... {END}")
+  return path
 
 
 class Distinct(argparse.Action):
@@ -316,20 +318,26 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
   summary = mode(
     "summary",
     "gather several tasks' compare results into one table",
-    "Reads the compare results of each task and writes OUT/summary.md; with --readme, also "
-    "replaces that file's experiments table (between its markers).",
+    "Reads the compare results of each task and writes OUT/summary.json and OUT/summary.md; "
+    "with --readme, also replaces that file's results table (between its markers); with "
+    f"--publish, writes benchmarks/results/{SUMMARY_RESULTS} and every block drawn from it.",
   )
   add_tasks(summary, SUMMARY_TASKS, tasks.TASKS)
   add_optimizers(
     summary, None, "the optimizers in the table", "every one with results for the seeds"
   )
   add_seeds(summary, "the seeds whose results are read")
-  add_out(summary, "results folder; reads OUT/TASK/, writes OUT/summary.md")
+  add_out(summary, "results folder; reads OUT/TASK/, writes OUT/summary.json and OUT/summary.md")
   summary.add_argument(
     "--readme",
     type=readme_file,
     default=None,
-    help=f"a file whose experiments table (between {BEGIN} and {END}) is replaced",
+    help=f"a file whose results table (between {BEGIN} and {END}) is replaced",
+  )
+  summary.add_argument(
+    "--publish",
+    action="store_true",
+    help=f"write benchmarks/results/{SUMMARY_RESULTS} and the README's and docs' blocks from it",
   )
   add_scale_modes(mode)
   return top, by_mode
@@ -388,16 +396,20 @@ def add_scale_modes(mode: Callable[[str, str, str], argparse.ArgumentParser]) ->
     "scale-summary",
     "gather several tasks' scaling studies into one file",
     f"Reads OUT/TASK/{scale.FOLDER}/{scale.LINES} of each task (skipping tasks without one) and "
-    "writes every task's table to OUT/scale-summary.md; with --readme, also between that "
-    "file's scaling-table markers.",
+    "writes every task's summary to OUT/scale-summary.json and its table to "
+    f"OUT/scale-summary.md; with --publish, also to benchmarks/results/{SCALE_RESULTS} and "
+    "docs/benchmarks/scaling.md.",
   )
   add_tasks(gather, SCALE_TASKS, scale.PROTOCOLS)
-  add_out(gather, f"results folder; reads OUT/TASK/{scale.FOLDER}/, writes OUT/scale-summary.md")
+  add_out(
+    gather,
+    f"results folder; reads OUT/TASK/{scale.FOLDER}/, writes OUT/scale-summary.json and "
+    "OUT/scale-summary.md",
+  )
   gather.add_argument(
-    "--readme",
-    type=scale_readme_file,
-    default=None,
-    help=f"a file whose scaling table (between {SCALE_BEGIN} and {SCALE_END}) is replaced",
+    "--publish",
+    action="store_true",
+    help=f"write benchmarks/results/{SCALE_RESULTS}, the docs' scaling tables and figures",
   )
 
 
@@ -428,7 +440,7 @@ def main(argv: Sequence[str] | None = None) -> None:
   """Runs the mode the arguments name."""
   args = parse(argv)
   if args.mode == "summary":
-    summarise(args)
+    summarise_mode(args)
     return
   if args.mode == "scale-summary":
     scale_summary(args)
@@ -577,14 +589,23 @@ def write_outputs(task: tasks.Task, runs: Runs, out: Path, mode: str) -> None:
   print(written)
 
 
-def replace_table(text: str, table: str, begin: str = BEGIN, end: str = END) -> str:
-  """``text`` with what lies between its markers (the experiments table's) replaced by ``table``."""
-  head, rest = text.split(begin, 1)
-  _, tail = rest.split(end, 1)
-  return f"{head}{begin}\n{table}\n{end}{tail}"
+def provenance(mode: str, args: argparse.Namespace) -> str:
+  """Where a published summary comes from: the command that wrote it."""
+  tasks_text = " ".join(args.tasks)
+  seeds = f" --seeds {' '.join(map(str, args.seeds))}" if hasattr(args, "seeds") else ""
+  return (
+    f"written by `python -m experiments {mode} --tasks {tasks_text}{seeds} --out {args.out} "
+    f"--publish` from the runs in {args.out}/"
+  )
 
 
-def summarise(args: argparse.Namespace) -> None:
+def published(results_file: str, summary: dict[str, Any]) -> None:
+  """Writes ``benchmarks/results/RESULTS_FILE`` and every block drawn from it; says which."""
+  for path in generated.publish(results_file, summary):
+    print(f"written: {path}")
+
+
+def summarise_mode(args: argparse.Namespace) -> None:
   """Gathers the results of several tasks into one table (and into the README)."""
   results = []
   for name in args.tasks:
@@ -593,15 +614,19 @@ def summarise(args: argparse.Namespace) -> None:
     if not names:
       raise SystemExit(f"no results in {out}: run `python -m experiments compare --task {name}`")
     results.append((tasks.TASKS[name](), read_runs(out, names, args.seeds)))
-  table = summary_table(results)
+  summary = summarise(results)
+  table = summary_markdown(summary)
   print(table)
+  files.write_text(args.out / "summary.json", json.dumps(summary, indent=1) + "\n")
   files.write_text(args.out / "summary.md", table + "\n")
   if args.readme is not None:
     text = args.readme.read_text()
-    if not has_markers(text):
-      raise SystemExit(f"{args.readme} has no experiments-table markers {BEGIN!r} ... {END!r}")
-    files.write_text(args.readme, replace_table(text, table))
+    if not has_block(text):
+      raise SystemExit(f"{args.readme} has no results-table markers {BEGIN!r} ... {END!r}")
+    files.write_text(args.readme, generated.replace(text, BLOCK, table))
     print(f"table written to {args.readme}")
+  if args.publish:
+    published(SUMMARY_RESULTS, {"provenance": provenance("summary", args), **summary})
 
 
 def refuse(mode: str, message: str) -> None:
@@ -627,13 +652,13 @@ def scale_mode(task: tasks.Task, args: argparse.Namespace, folder: Path) -> None
     refuse("scale", str(error))
     return
   lines = scale.study(task, plan, out, kept, not args.no_progress)
-  print(scale.report(lines))
+  print(scale.report(scale.summary_lines(lines)))
   print(f"results: {out}/*.jsonl, {out}/{scale.LINES}, {out}/scale.md, figure: {out}/scale.png")
 
 
 def scale_summary(args: argparse.Namespace) -> None:
-  """Gathers the scaling studies of several tasks into one file (and into the README)."""
-  reports = []
+  """Gathers the scaling studies of several tasks into one summary and its tables."""
+  summary: dict[str, Any] = {"tasks": {}}
   for name in args.tasks:
     path = args.out / name / scale.FOLDER / scale.LINES
     if not path.exists():
@@ -646,23 +671,22 @@ def scale_summary(args: argparse.Namespace) -> None:
         f"{path} mixes results made with different budgets, evaluations or seeds ({problem}): "
         f"run `python -m experiments scale --task {name}` again into an empty folder"
       )
-    reports.append(scale.report(lines))
-  if not reports:
+    summary["tasks"][name] = scale.summary_lines(lines)
+  if not summary["tasks"]:
     raise SystemExit(
       f"no scaling results in {args.out} for {' '.join(args.tasks)}: "
       "run `python -m experiments scale --task TASK` first"
     )
-  table = "\n\n".join(reports)
+  table = scale.summary_markdown(summary)
   print(table)
+  files.write_text(args.out / "scale-summary.json", json.dumps(summary, indent=1) + "\n")
   files.write_text(args.out / "scale-summary.md", table + "\n")
-  if args.readme is not None:
-    text = args.readme.read_text()
-    if not has_markers(text, SCALE_BEGIN, SCALE_END):
-      raise SystemExit(
-        f"{args.readme} has no scaling-table markers {SCALE_BEGIN!r} ... {SCALE_END!r}"
-      )
-    files.write_text(args.readme, replace_table(text, table, SCALE_BEGIN, SCALE_END))
-    print(f"scaling tables written to {args.readme}")
+  if args.publish:
+    published(SCALE_RESULTS, {"provenance": provenance("scale-summary", args), **summary})
+    for name, lines in summary["tasks"].items():
+      figure = FIGURES / f"scale-{name}.png"
+      scale.plot(lines, figure)
+      print(f"written: {figure}")
 
 
 if __name__ == "__main__":

@@ -148,47 +148,87 @@ FASTER = 0.7  # "at least 30 % less wall-clock than the best baseline"
 TARGET_TASKS = ("mnist1d", "autoencoder", "resnet")  # the target counts these
 
 
-def summary_table(results: Sequence[tuple[Task, dict[str, list[list[Record]]]]]) -> str:
-  """Every task's comparison in one Markdown table, then K-FAC's ratios and the verdict.
+def summarise(results: Sequence[tuple[Task, dict[str, list[list[Record]]]]]) -> dict[str, Any]:
+  """Every task's comparison, as the summary that `summary_markdown` renders (JSON-ready).
 
-  ``results`` holds, per task, its runs by optimizer (one record list per seed).
+  ``results`` holds, per task, its runs by optimizer (one record list per seed). Per task: its
+  target, each optimizer's `optimizer_row` reduced to what the table shows (``final_mean`` and
+  ``final_std`` over the seeds' final metrics, ``final_std`` None for one seed), and the best
+  K-FAC variant's ratio to the best baseline (`ratios`; None, with ``no_ratio`` saying why,
+  when it is undefined).
+  """
+  out = []
+  for task, runs in results:
+    rows = {name: optimizer_row(task, seeds) for name, seeds in runs.items()}
+    found = ratios(rows)
+    out.append(
+      {
+        "task": task.name,
+        "metric_name": task.metric_name,
+        "target": task.target,
+        "higher_is_better": task.higher_is_better,
+        "optimizers": {
+          name: {
+            "settings": r["settings"],
+            "reached": r["reached"],
+            "seeds": r["seeds"],
+            "steps": r["steps"],
+            "seconds": r["seconds"],
+            "final_mean": statistics.mean(r["final"]),
+            "final_std": statistics.stdev(r["final"]) if len(r["final"]) > 1 else None,
+          }
+          for name, r in rows.items()
+        },
+        "ratio": None
+        if found is None
+        else dict(zip(("kfac", "baseline", "time", "steps"), found, strict=True)),
+        "no_ratio": kfac_ratio(rows).rstrip(".") if found is None else None,
+      }
+    )
+  return {"seeds": len(next(iter(results[0][1].values()))), "tasks": out}
+
+
+def summary_markdown(summary: dict[str, Any]) -> str:
+  """The summary (`summarise`) as one Markdown table, then K-FAC's ratios and the verdict.
+
+  What ``python -m experiments summary`` prints and writes, and the README's results table.
   """
   lines = [
     "| task (target) | optimizer | settings | steps to target | seconds to target | final metric |",
     "|---|---|---|---|---|---|",
   ]
   notes, faster = [], {}
-  for task, runs in results:
-    rows = {name: optimizer_row(task, seeds) for name, seeds in runs.items()}
-    direction = ">=" if task.higher_is_better else "<="
-    label = f"{task.name} ({task.metric_name} {direction} {task.target:g})"
-    for i, (name, r) in enumerate(rows.items()):
+  for task in summary["tasks"]:
+    direction = ">=" if task["higher_is_better"] else "<="
+    label = f"{task['task']} ({task['metric_name']} {direction} {task['target']:g})"
+    for i, (name, r) in enumerate(task["optimizers"].items()):
       steps_text, seconds_text = target_cells(r)
+      final = f"{r['final_mean']:.4f}"
+      if r["final_std"] is not None:
+        final += f" +- {r['final_std']:.4f}"
       lines.append(
         f"| {label if i == 0 else ''} | {NAMES.get(name, name)} | {r['settings']} "
-        f"| {steps_text} | {seconds_text} | {mean_std(r['final'])} |"
+        f"| {steps_text} | {seconds_text} | {final} |"
       )
-    found = ratios(rows)
+    found = task["ratio"]
     if found is None:
-      notes.append(f"{task.name}: {kfac_ratio(rows).rstrip('.')}")
-      faster[task.name] = False
+      notes.append(f"{task['task']}: {task['no_ratio']}")
+      faster[task["task"]] = False
     else:
-      kfac, best, time_ratio, step_ratio = found
+      kfac, best = found["kfac"], found["baseline"]
       notes.append(
-        f"{task.name}: {NAMES.get(kfac, kfac)} {time_ratio:.2f}x the time of "
-        f"{NAMES.get(best, best)} to the target, {step_ratio:.2f}x the steps"
+        f"{task['task']}: {NAMES.get(kfac, kfac)} {found['time']:.2f}x the time of "
+        f"{NAMES.get(best, best)} to the target, {found['steps']:.2f}x the steps"
       )
-      faster[task.name] = time_ratio <= FASTER
-  seeds = len(next(iter(results[0][1].values())))
+      faster[task["task"]] = found["time"] <= FASTER
   hits = sum(faster.get(name, False) for name in TARGET_TASKS)
   verdict = "met" if hits >= 2 else "not met"
   return "\n".join(
     [
       *lines,
       "",
-      f"Means over {seeds} seeds. K-FAC's time to target relative to the best baseline: "
-      + "; ".join(notes)
-      + ".",
+      f"Means over {summary['seeds']} seeds. K-FAC's time to target relative to the best "
+      "baseline: " + "; ".join(notes) + ".",
       "",
       f"Target (at least 30 % less wall-clock than the best baseline on 2 of "
       f"{', '.join(TARGET_TASKS)}): {verdict}, {hits} of 3.",

@@ -448,12 +448,53 @@ def study(task: Task, plan: Plan, out: Path, kept: Sequence[Line], progress: boo
       print(f"{task.name}: batch {batch}, {plan.budgets[batch]} steps")
     lines = sorted([*lines, *run_batch(task, plan, batch, out, progress)], key=order)
     write_lines(out / LINES, lines)
-  write_text(out / "scale.md", report(lines) + "\n")
+  write_text(out / "scale.md", report(summary_lines(lines)) + "\n")
   plot(lines, out / "scale.png")
   return lines
 
 
-# The table.
+# The summary and its tables.
+
+# What a summary keeps of a ``scale.jsonl`` line (`summary_lines`), with ``n_runs``, the seeds
+# trained: every figure of the tables, and the settings chosen.
+SUMMARY_FIELDS = (
+  "task",
+  "batch",
+  "budget",
+  "budget_overridden",
+  "optimizer",
+  "metric_name",
+  "target",
+  "higher_is_better",
+  "eval_every",
+  "seeds",
+  "validation_fraction",
+  "centre",
+  "chosen_trial",
+  "chosen",
+  "reached",
+  "mean_steps_to_target",
+)
+
+
+def summary_lines(lines: Sequence[Line]) -> list[Line]:
+  """A task's ``scale.jsonl`` lines reduced to what its table shows, in table order.
+
+  This is what ``benchmarks/results/scaling.json`` holds per task, and what `report` reads.
+  """
+  return [
+    {k: line[k] for k in SUMMARY_FIELDS} | {"n_runs": len(line["runs"])}
+    for line in sorted(lines, key=order)
+  ]
+
+
+def summary_markdown(summary: Mapping[str, Any]) -> str:
+  """Every task's table (`report`) of a summary ``{"tasks": {task: summary lines}}``.
+
+  What ``python -m experiments scale-summary`` prints and writes, and the block ``scaling`` of
+  ``docs/benchmarks/scaling.md``.
+  """
+  return "\n\n".join(report(lines) for lines in summary["tasks"].values())
 
 
 def by_batch(lines: Sequence[Line]) -> dict[int, dict[str, Line]]:
@@ -491,7 +532,7 @@ def steps_cell(line: Line | None) -> str:
   if line is None:
     return "not run"
   if line["mean_steps_to_target"] is None:
-    return f"missed ({line['reached']}/{len(line['runs'])})"
+    return f"missed ({line['reached']}/{line['n_runs']})"
   return f"{line['mean_steps_to_target']:.0f}"
 
 
@@ -553,7 +594,7 @@ def merits(table: Mapping[int, Mapping[str, Line]], names: Sequence[str]) -> lis
       f"({label.get(best, best)}, {mean_steps(at, best):.0f} steps)"
     )
     if mean_steps(at, k) is None:
-      done = "not run" if k not in at else f"missed ({at[k]['reached']}/{len(at[k]['runs'])})"
+      done = "not run" if k not in at else f"missed ({at[k]['reached']}/{at[k]['n_runs']})"
       out.append(f"{head}: {label[k]} {done}.")
     elif mean_steps(at, best) == 0:
       out.append(f"{head}: no ratio (the baseline met it at step 0).")
@@ -570,7 +611,10 @@ def chosen_text(table: Mapping[int, Mapping[str, Line]], name: str) -> str:
 
 
 def report(lines: Sequence[Line]) -> str:
-  """A task's study as Markdown: the table by batch, the critical batches, the figures of merit."""
+  """A task's study as Markdown: the table by batch, the critical batches, the figures of merit.
+
+  ``lines``: the task's `summary_lines`.
+  """
   table = by_batch(lines)
   names = names_of(lines)
   kfacs = [n for n in names if is_kfac(n)]

@@ -19,6 +19,7 @@ import string
 import numpy as np
 import pytest
 
+from benchmarks import generated
 from experiments import __main__ as cli
 from experiments import files, optimizers, report, scale, tasks
 from experiments.train import train
@@ -222,7 +223,19 @@ def test_target_met_at_the_first_evaluation_counts_as_reached():
   assert "A baseline met the target before training: no ratio." in table
 
 
-def test_summary_gathers_tasks_into_the_readme(small_tasks, tmp_path):
+@pytest.fixture
+def published(monkeypatch, tmp_path):
+  """Where ``--publish`` writes, moved under ``tmp_path/repo``: results, README, docs, figures."""
+  repo = tmp_path / "repo"
+  (repo / "docs" / "benchmarks").mkdir(parents=True)
+  monkeypatch.setattr(generated, "RESULTS", repo / "benchmarks" / "results")
+  monkeypatch.setattr(generated, "README", repo / "README.md")
+  monkeypatch.setattr(generated, "DOCS", repo / "docs")
+  monkeypatch.setattr(cli, "FIGURES", repo / "docs" / "figures")
+  return repo
+
+
+def test_summary_gathers_tasks_into_the_readme(small_tasks, tmp_path, published):
   # autoencoder (lower is better, target 0.01): K-FAC half the steps and time of sgd, the best baseline.
   # mnist1d (higher is better, target 0.94): K-FAC 1.5x the time of adamw.
   made_up = {
@@ -255,6 +268,27 @@ def test_summary_gathers_tasks_into_the_readme(small_tasks, tmp_path):
   assert "mnist1d: K-FAC 1.50x the time of AdamW to the target, 1.00x the steps" in text
   assert "not met, 1 of 3" in text
   assert (tmp_path / "summary.md").read_text().strip() in text
+  # The summary behind the table, and what --publish makes of it: the results file and every
+  # block drawn from it (the README's results table, the experiments page).
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert report.summary_markdown(summary) + "\n" == (tmp_path / "summary.md").read_text()
+  assert summary["tasks"][0]["ratio"] == {
+    "kfac": "kfac",
+    "baseline": "sgd",
+    "time": 0.5,
+    "steps": 0.5,
+  }
+  page = published / "docs" / "benchmarks" / "experiments.md"
+  page.write_text(f"# Experiments\n\n{cli.BEGIN}\n{cli.END}\n")
+  (published / "README.md").write_text(f"intro\n{cli.BEGIN}\nold\n{cli.END}\n")
+  cli.main([*argv, "--out", str(tmp_path), "--publish"])
+  results = json.loads((published / "benchmarks" / "results" / "experiments.json").read_text())
+  assert results["provenance"].startswith("written by `python -m experiments summary --tasks")
+  assert {k: v for k, v in results.items() if k != "provenance"} == summary
+  table = (tmp_path / "summary.md").read_text().strip()
+  assert page.read_text() == f"# Experiments\n\n{cli.BEGIN}\n{table}\n{cli.END}\n"
+  assert (published / "README.md").read_text() == f"intro\n{cli.BEGIN}\n{table}\n{cli.END}\n"
+  assert generated.differences() == []
 
 
 def test_run_keeps_its_results_apart_from_compare(small_tasks, tmp_path):
@@ -305,7 +339,7 @@ BAD_ARGUMENTS = [
   (["summary", "--tasks", "mnist1d", "mnist1d"], "given more than once: mnist1d"),
   (["compare", "--settings", "{tmp}/missing.json"], "no file"),
   (["run", "--settings", "{tmp}/notes.txt"], "is not a sweep's best.json"),
-  (["summary", "--readme", "{tmp}/notes.txt"], "has no experiments-table markers"),
+  (["summary", "--readme", "{tmp}/notes.txt"], "has no results-table markers"),
   (["compare", "--out", "{tmp}/notes.txt"], "exists and is not a folder"),
   (["comapre"], "invalid choice: 'comapre'"),
   (["scale", "--batches", "0"], "argument --batches: 0 is not positive"),
@@ -316,7 +350,7 @@ BAD_ARGUMENTS = [
   (["scale", "--optimizers", "kfac_adamw"], "no scaling protocol for kfac_adamw"),
   (["scale", "--batches", "8"], "no step budget for batch 8"),
   (["scale", "--seeds", "1", "1"], "argument --seeds: given more than once: 1"),
-  (["scale-summary", "--readme", "{tmp}/notes.txt"], "has no scaling-table markers"),
+  (["scale-summary", "--readme", "{tmp}/notes.txt"], "unrecognized arguments: --readme"),
   (["scale-summary", "--tasks", "charlm"], "argument --tasks: invalid choice: 'charlm'"),
 ]
 
@@ -374,7 +408,7 @@ HELP = {  # per mode: options its help lists, options it must not
     ["--steps", "--eval-every", "--settings", "--no-progress", "--readme"],
   ),
   "summary": (
-    ["--tasks", "--optimizers", "--seeds", "--readme"],
+    ["--tasks", "--optimizers", "--seeds", "--readme", "--publish"],
     ["--task", "--steps", "--eval-every", "--settings", "--no-progress"],
   ),
   "scale": (
@@ -382,8 +416,8 @@ HELP = {  # per mode: options its help lists, options it must not
     ["--tasks", "--readme", "--seed", "--settings"],
   ),
   "scale-summary": (
-    ["--tasks", "--out", "--readme"],
-    ["--task", "--steps", "--seeds", "--optimizers", "--no-progress"],
+    ["--tasks", "--out", "--publish"],
+    ["--task", "--steps", "--seeds", "--optimizers", "--no-progress", "--readme"],
   ),
 }
 
@@ -566,14 +600,16 @@ def scale_line(batch, name, steps, budget, seeds=(0, 1, 2)):
     "eval_every": 5,
     "seeds": list(seeds),
     "validation_fraction": 0.2,
+    "centre": {"lr": 0.1},
     "chosen_trial": 1,
+    "chosen": {"lr": 0.1 * (batch / 128) ** 0.5},
     "runs": [{"seed": s, "steps_to_target": n} for s, n in zip(seeds, steps)],
     "reached": len(reached),
     "mean_steps_to_target": sum(reached) / len(steps) if len(reached) == len(steps) else None,
   }
 
 
-def test_scale_summary_writes_the_readme_between_its_markers(tmp_path, capsys):
+def test_scale_summary_writes_its_summary_and_publishes_it(tmp_path, capsys, published):
   budgets = {128: 600, 256: 400, 512: 300, 1024: 200}
   made_up = {  # steps per batch, the same on every seed (None: missed)
     "sgd": (400, 200, 110, 80),
@@ -589,14 +625,11 @@ def test_scale_summary_writes_the_readme_between_its_markers(tmp_path, capsys):
   out = tmp_path / "mnist1d" / "scale"
   out.mkdir(parents=True)
   (out / "scale.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-  readme = tmp_path / "README.md"
-  readme.write_text(f"intro\n{cli.SCALE_BEGIN}\n(no results yet)\n{cli.SCALE_END}\noutro\n")
   argv = ["scale-summary", "--tasks", "mnist1d", "resnet", "--out", str(tmp_path)]
-  cli.main([*argv, "--readme", str(readme)])
+  cli.main(argv)
   assert "resnet: no scaling results" in capsys.readouterr().out
-  text = readme.read_text()
-  assert text.startswith(f"intro\n{cli.SCALE_BEGIN}\n### mnist1d")
-  assert text.endswith(f"{cli.SCALE_END}\noutro\n") and "(no results yet)" not in text
+  text = (tmp_path / "scale-summary.md").read_text()
+  assert text.startswith("### mnist1d")
   assert "| 128 | 600 | 400 | 300 | 200 | 0.67x (AdamW) |" in text
   assert "| 512 | 300 | 110 | missed (0/3) | 50 | 0.45x (SGD) |" in text
   assert "| 1024 | 200 | 80 | missed (0/3) | missed (2/3) | K-FAC missed |" in text
@@ -606,17 +639,24 @@ def test_scale_summary_writes_the_readme_between_its_markers(tmp_path, capsys):
   assert "K-FAC's critical batch / the best baseline's (SGD, 512): 1.00x (512 / 512)." in text
   assert "At batch 1024, the largest where a baseline reaches the target (SGD, 80 steps)" in text
   assert "K-FAC missed (2/3)." in text
-  assert (tmp_path / "scale-summary.md").read_text().strip() in text
+  # The summary keeps what the tables show, and renders to the same text.
+  summary = json.loads((tmp_path / "scale-summary.json").read_text())
+  assert summary["tasks"]["mnist1d"] == scale.summary_lines(lines)
+  assert scale.summary_markdown(summary) + "\n" == text
+  # --publish: the results file, the page's block and the figure.
+  page = published / "docs" / "benchmarks" / "scaling.md"
+  page.write_text("# Scaling\n\n## Results\n\n<!-- scaling: begin -->\n<!-- scaling: end -->\n")
+  (published / "README.md").write_text("no blocks\n")
+  cli.main([*argv, "--publish"])
+  results = json.loads((published / "benchmarks" / "results" / "scaling.json").read_text())
+  assert {k: v for k, v in results.items() if k != "provenance"} == summary
+  assert text.strip() in page.read_text() and generated.differences() == []
+  assert (published / "docs" / "figures" / "scale-mnist1d.png").read_bytes()[:4] == b"\x89PNG"
   # Lines of one batch made with different budgets are refused, and nothing is written.
   (tmp_path / "scale-summary.md").unlink()
   mixed = [*lines, scale_line(128, "kfac", [200] * 3, 300)]
   (out / "scale.jsonl").write_text("".join(json.dumps(x) + "\n" for x in mixed))
   with pytest.raises(SystemExit, match="batch 128: budgets of 300, 600 steps"):
-    cli.main([*argv, "--readme", str(readme)])
-  assert readme.read_text() == text and not (tmp_path / "scale-summary.md").exists()
-  # A README without the scaling markers is refused before anything is read.
-  readme.write_text(f"intro\n{cli.BEGIN}\n{cli.END}\n")
-  with pytest.raises(SystemExit) as raised:
-    cli.main([*argv, "--readme", str(readme)])
-  assert raised.value.code == 2
-  assert "has no scaling-table markers" in capsys.readouterr().err
+    cli.main([*argv, "--publish"])
+  assert not (tmp_path / "scale-summary.md").exists()
+  assert results == json.loads((published / "benchmarks" / "results" / "scaling.json").read_text())

@@ -1,4 +1,4 @@
-"""The README's robustness tables are those benchmarks/robustness.py writes from its committed results."""
+"""The robustness page's tables are those benchmarks/robustness.py writes from its committed results."""
 
 import importlib.util
 import json
@@ -14,12 +14,11 @@ def _benchmark():
   return module
 
 
-def test_readme_holds_the_tables_generated_from_the_committed_results():
+def test_page_holds_the_tables_generated_from_the_committed_results():
   robustness = _benchmark()
   results = json.loads(robustness.RESULTS.read_text())
-  readme = (ROOT / "README.md").read_text()
-  assert robustness.BEGIN in readme and robustness.END in readme
-  assert robustness.with_report(readme, results) == readme
+  page = (ROOT / "docs" / "benchmarks" / "robustness.md").read_text()
+  assert robustness.generated.body(page, robustness.BLOCK) == robustness.report(results)
   # Every problem of the suite, every form at every damping of the grid, three seeds.
   assert sorted(results["problems"]) == sorted(robustness.suite.SUITE)
   for r in results["problems"].values():
