@@ -39,7 +39,8 @@ import jax.numpy as jnp
 import optax
 
 import kaisa_jax
-from kaisa_jax import distribution, transform
+from kaisa_jax import distribution, parameters
+from kaisa_jax import phases as kfac_phases
 from kaisa_jax.analysis import projection
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -226,7 +227,7 @@ def bench_model(name: str, blocks: int) -> dict[str, Any]:
     kfac_state = steps[(factor_steps, inv_steps)][1]
     plan, state = kfac.plan, kfac_state[1][0]
     _, grads, curvature = grad_fn(params, x, y)
-    layer_grads = transform._layer_params(grads, plan, "updates")
+    layer_grads = parameters.layer_params(grads, plan, "updates")
 
     def capture(params, x, y):
       return grad_fn(params, x, y)
@@ -235,13 +236,13 @@ def bench_model(name: str, blocks: int) -> dict[str, Any]:
       return jax.value_and_grad(loss_fn)(params, x, y)
 
     def factors(state, curvature, plan=plan):
-      return transform.update_factors(plan, state, curvature, DECAY, jnp.float32, SINGLE)
+      return kfac_phases.update_factors(plan, state, curvature, DECAY, jnp.float32, SINGLE)
 
     def decomposition(state, plan=plan):
-      return transform.decompose_factors(plan, state, DAMPING, SINGLE)
+      return kfac_phases.decompose_factors(plan, state, DAMPING, SINGLE)
 
     def precondition(layer_grads, state, plan=plan):
-      return transform.precondition_grads(
+      return kfac_phases.precondition_grads(
         plan, layer_grads, state.decompositions, DAMPING, jnp.float32, SINGLE, state.stack_offsets
       )
 

@@ -54,6 +54,9 @@ from jax.sharding import PartitionSpec as P
 from kaisa_jax import assignment, cost, preconditioning, transform
 from kaisa_jax import hyperparameters as hp
 from kaisa_jax import layers as layers_lib
+from kaisa_jax import state as state_lib
+from kaisa_jax.plan import Plan
+from kaisa_jax.stacking import LayerDecompositions, LayerFactors
 
 Array = Any
 
@@ -66,8 +69,8 @@ class PortableKFACState(NamedTuple):
   skipped_factor_updates: np.ndarray
   failed_decompositions: np.ndarray
   kl_scale: np.ndarray
-  factors: dict[str, transform.LayerFactors]
-  decompositions: dict[str, transform.LayerDecompositions]
+  factors: dict[str, LayerFactors]
+  decompositions: dict[str, LayerDecompositions]
   treatments: dict[str, np.ndarray]
 
 
@@ -77,7 +80,7 @@ def _treatment_code(t) -> np.ndarray:
 
 
 def _is_state(x: Any) -> bool:
-  return isinstance(x, transform.KFACState | PortableKFACState)
+  return isinstance(x, state_lib.KFACState | PortableKFACState)
 
 
 # The per-device scalars of a KFACState (pmap keeps one copy per device).
@@ -91,7 +94,7 @@ _SCALARS = (
 )
 
 
-def _unstack(plan: transform.Plan, state: transform.KFACState) -> transform.KFACState:
+def _unstack(plan: Plan, state: state_lib.KFACState) -> state_lib.KFACState:
   """A pmap-replicated state ``(N, ...)`` as the global ``(N / W, W, ...)`` one."""
   rows, cols = plan.layout.rows, plan.layout.cols
   return state._replace(
@@ -102,7 +105,7 @@ def _unstack(plan: transform.Plan, state: transform.KFACState) -> transform.KFAC
   )
 
 
-def _runs_on(plan: transform.Plan) -> str:
+def _runs_on(plan: Plan) -> str:
   """Where ``plan``'s kfac runs, in words."""
   comm = plan.collectives
   grid = f"{comm.rows} group(s) x {comm.cols} grad worker(s)"
@@ -113,7 +116,7 @@ def _runs_on(plan: transform.Plan) -> str:
   return "one device"
 
 
-def _state_shapes(plan: transform.Plan, replicated: bool) -> dict[str, tuple[int, ...]]:
+def _state_shapes(plan: Plan, replicated: bool) -> dict[str, tuple[int, ...]]:
   """The shape of each array of a `KFACState` that ``plan``'s kfac makes.
 
   ``replicated``: a pmapped state, one copy per device along a leading axis.
@@ -133,7 +136,7 @@ def _state_shapes(plan: transform.Plan, replicated: bool) -> dict[str, tuple[int
   }
 
 
-def _is_replicated(plan: transform.Plan, state: transform.KFACState) -> bool:
+def _is_replicated(plan: Plan, state: state_lib.KFACState) -> bool:
   """Whether ``state`` is a pmapped one, with a leading axis of one copy per device."""
   return plan.collectives.mode == "pmap" and np.ndim(state.count) == 1
 
@@ -143,9 +146,7 @@ def _device_axes(field: str, shape: tuple[int, ...]) -> tuple[int, ...]:
   return shape if field in _SCALARS else shape[:-1]
 
 
-def _check_state(
-  plan: transform.Plan, state: transform.KFACState, caller: str = "to_portable"
-) -> None:
+def _check_state(plan: Plan, state: state_lib.KFACState, caller: str = "to_portable") -> None:
   """Raises unless ``state`` has the shapes of the states ``plan``'s kfac makes.
 
   The leading axes depend on the devices; the buffer sizes (the last axes) on
@@ -180,7 +181,7 @@ def _check_state(
   )
 
 
-def _check_whole(plan: transform.Plan, state: transform.KFACState) -> None:
+def _check_whole(plan: Plan, state: state_lib.KFACState) -> None:
   """Raises if ``state`` is one device's copy of a pmapped state that has taken steps.
 
   A fresh state (no steps yet) is all zeros and stands for any device's.
@@ -199,9 +200,7 @@ def _check_whole(plan: transform.Plan, state: transform.KFACState) -> None:
     )
 
 
-def global_state(
-  plan: transform.Plan, state: transform.KFACState, caller: str
-) -> transform.KFACState:
+def global_state(plan: Plan, state: state_lib.KFACState, caller: str) -> state_lib.KFACState:
   """``state`` in the global ``(N / W, W, ...)`` layout, after checking it is ``plan``'s.
 
   A pmapped state with its leading device axis is unstacked; a single-device
@@ -212,7 +211,7 @@ def global_state(
   return _unstack(plan, state) if _is_replicated(plan, state) else state
 
 
-def _portable(plan: transform.Plan, state: transform.KFACState) -> PortableKFACState:
+def _portable(plan: Plan, state: state_lib.KFACState) -> PortableKFACState:
   _check_state(plan, state)
   _check_whole(plan, state)
   if _is_replicated(plan, state):
@@ -224,8 +223,8 @@ def _portable(plan: transform.Plan, state: transform.KFACState) -> PortableKFACS
     host.skipped_factor_updates,
     host.failed_decompositions,
     host.kl_scale,
-    transform.grouped_factors(plan, host),
-    transform.grouped_decompositions(plan, host),
+    state_lib.grouped_factors(plan, host),
+    state_lib.grouped_decompositions(plan, host),
     {spec.name: _treatment_code(t) for spec, t in plan.layers},
   )
 
@@ -238,7 +237,7 @@ def to_portable(kfac: transform.KFAC, tree: Any) -> Any:
   pmapped state is passed whole, with its leading device axis.
   """
   return jax.tree.map(
-    lambda x: _portable(kfac.plan, x) if isinstance(x, transform.KFACState) else x,
+    lambda x: _portable(kfac.plan, x) if isinstance(x, state_lib.KFACState) else x,
     tree,
     is_leaf=_is_state,
   )
@@ -249,7 +248,7 @@ _RESTORE_INTO_ITS_MODEL = (
 )
 
 
-def _check_layer_names(plan: transform.Plan, portable: PortableKFACState) -> None:
+def _check_layer_names(plan: Plan, portable: PortableKFACState) -> None:
   """Raises unless the checkpoint has factors, decompositions and treatments for every layer."""
   names = [spec.name for spec, _ in plan.layers]
   saved = list(portable.factors)
@@ -327,8 +326,8 @@ def _check_decompositions(
 
 
 def _layout_state(
-  plan: transform.Plan, portable: PortableKFACState, factor_dtype: Any, dec_dtype: Any
-) -> transform.KFACState:
+  plan: Plan, portable: PortableKFACState, factor_dtype: Any, dec_dtype: Any
+) -> state_lib.KFACState:
   """The global ``(N / W, W, ...)`` state of ``plan`` from a portable one (numpy)."""
   layout = plan.layout
   names = [spec.name for spec, _ in plan.layers]
@@ -368,7 +367,7 @@ def _layout_state(
       ]
     )
 
-  return transform.KFACState(
+  return state_lib.KFACState(
     count=np.asarray(portable.count, np.int32),
     factor_total=np.asarray(portable.factor_total, np.float32),
     factors=grid(factors, layout.factor_size, factor_dtype),
@@ -377,17 +376,17 @@ def _layout_state(
     failed_decompositions=np.asarray(portable.failed_decompositions, np.int32),
     kl_scale=np.asarray(portable.kl_scale, dec_dtype),
     refresh=np.asarray(refresh),
-    stack_offsets=tuple(np.asarray(x) for x in transform.stack_offsets(plan)),
+    stack_offsets=tuple(np.asarray(x) for x in state_lib.stack_offsets(plan)),
   )
 
 
-def _place(kfac: transform.KFAC, portable: PortableKFACState) -> transform.KFACState:
+def _place(kfac: transform.KFAC, portable: PortableKFACState) -> state_lib.KFACState:
   plan = kfac.plan
   dec_dtype = preconditioning.decomposition_dtype(plan.factor_dtype)
   state = _layout_state(plan, portable, plan.factor_dtype, dec_dtype)
   mode, layout = plan.collectives.mode, plan.layout
   if mode == "shard_map":
-    specs = transform.state_partition_specs(state)
+    specs = state_lib.state_partition_specs(state)
     return jax.tree.map(
       lambda x, spec: jax.device_put(x, NamedSharding(plan.mesh, spec)), state, specs
     )

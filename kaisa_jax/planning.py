@@ -34,6 +34,7 @@ from kaisa_jax import assignment, cost, distribution, preconditioning
 from kaisa_jax.capture import Layers
 from kaisa_jax.cluster import Cluster
 from kaisa_jax.communication import communication_seconds, modelled_collectives
+from kaisa_jax.config import Settings, check_settings
 from kaisa_jax.plan import Plan, make_plan
 
 PLANNED_AXIS = "planned"
@@ -159,6 +160,45 @@ def _compute_seconds(
   return flops / cluster.flops_per_s
 
 
+def _option(
+  layers: Layers,
+  cluster: Cluster,
+  memory_budget: float | None,
+  settings: Settings,
+  n_devices: int,
+  w: int,
+) -> FractionOption:
+  """Memory and projected time per device with ``W = w`` grad workers on ``n_devices``."""
+  comm = distribution.Collectives("pmap", n_devices // w, w, PLANNED_AXIS)
+  plan = make_plan(
+    layers,
+    comm,
+    compute_method=settings.compute_method,
+    inv_update_steps=settings.inv_update_steps,
+    max_cost_ratio=settings.max_cost_ratio,
+    assignment_cost=settings.assignment_cost,
+    factor_dtype=settings.factor_dtype,
+  )
+  layout = plan.layout
+  itemsize = settings.factor_dtype.itemsize
+  dec_itemsize = np.dtype(preconditioning.decomposition_dtype(settings.factor_dtype)).itemsize
+  factor_memory = layout.factor_size * itemsize
+  decomposition_memory = layout.cols * layout.decomposition_size * dec_itemsize
+  collectives = modelled_collectives(layout, n_devices, gradient_bytes=None, itemsize=itemsize)
+  cadence = (settings.factor_update_steps, settings.inv_update_steps)
+  communication = communication_seconds(cluster, collectives, n_devices, w, *cadence)
+  memory = factor_memory + decomposition_memory
+  return FractionOption(
+    fraction=fractions.Fraction(w, n_devices),
+    grad_workers=w,
+    factor_memory=factor_memory,
+    decomposition_memory=decomposition_memory,
+    compute=_compute_seconds(plan, cluster, *cadence),
+    communication=sum(communication.values()),
+    fits=memory_budget is None or memory <= memory_budget,
+  )
+
+
 def plan_fractions(
   layers: Layers,
   n_devices: int,
@@ -183,8 +223,10 @@ def plan_fractions(
     memory_budget: bytes per device K-FAC's factors and decompositions may use
       (``None``: no limit).
     factor_update_steps, inv_update_steps, compute_method, max_cost_ratio, assignment_cost, factor_dtype:
-      as given to `kaisa_jax.kfac`; they decide each layer's treatment, its owner and the cadence
-      of the phases.
+      as given to `kaisa_jax.kfac`, and checked as it checks them
+      (`kaisa_jax.config.check_settings`; a cadence's schedule counts at its
+      value at step 0); they decide each layer's treatment, its owner and the
+      cadence of the phases.
 
   Returns:
     A `FractionPlan`; ``print`` it for a table, pass ``.recommended`` as
@@ -204,51 +246,19 @@ def plan_fractions(
     raise ValueError(
       f"memory_budget must be a positive number of bytes or None, got {memory_budget}"
     )
-  for name, steps in (
-    ("factor_update_steps", factor_update_steps),
-    ("inv_update_steps", inv_update_steps),
-  ):
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-      raise ValueError(f"{name} must be an int >= 1, got {steps!r}")
-  if compute_method not in preconditioning.METHODS:
-    raise ValueError(
-      f"compute_method must be one of {preconditioning.METHODS}, got {compute_method!r}"
-    )
-  factor_dtype = np.dtype(factor_dtype)
-  dec_itemsize = np.dtype(preconditioning.decomposition_dtype(factor_dtype)).itemsize
-  options = []
-  for w in (w for w in range(1, n_devices + 1) if n_devices % w == 0):
-    comm = distribution.Collectives("pmap", n_devices // w, w, PLANNED_AXIS)
-    plan = make_plan(
-      layers,
-      comm,
-      compute_method=compute_method,
-      inv_update_steps=inv_update_steps,
-      max_cost_ratio=max_cost_ratio,
-      assignment_cost=assignment_cost,
-      factor_dtype=factor_dtype,
-    )
-    layout = plan.layout
-    factor_memory = layout.factor_size * factor_dtype.itemsize
-    decomposition_memory = layout.cols * layout.decomposition_size * dec_itemsize
-    collectives = modelled_collectives(
-      layout, n_devices, gradient_bytes=None, itemsize=factor_dtype.itemsize
-    )
-    communication = communication_seconds(
-      cluster, collectives, n_devices, w, factor_update_steps, inv_update_steps
-    )
-    memory = factor_memory + decomposition_memory
-    options.append(
-      FractionOption(
-        fraction=fractions.Fraction(w, n_devices),
-        grad_workers=w,
-        factor_memory=factor_memory,
-        decomposition_memory=decomposition_memory,
-        compute=_compute_seconds(plan, cluster, factor_update_steps, inv_update_steps),
-        communication=sum(communication.values()),
-        fits=memory_budget is None or memory <= memory_budget,
-      )
-    )
+  settings = check_settings(
+    factor_update_steps=factor_update_steps,
+    inv_update_steps=inv_update_steps,
+    compute_method=compute_method,
+    max_cost_ratio=max_cost_ratio,
+    assignment_cost=assignment_cost,
+    factor_dtype=factor_dtype,
+  )
+  options = [
+    _option(layers, cluster, memory_budget, settings, n_devices, w)
+    for w in range(1, n_devices + 1)
+    if n_devices % w == 0
+  ]
   fitting = [o for o in options if o.fits]
   best = min(fitting, key=lambda o: (o.seconds, o.memory), default=None)
   return FractionPlan(

@@ -54,6 +54,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from kaisa_jax import cpu_loop
+
 Array = jax.Array
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -90,27 +92,6 @@ class Decomposition(NamedTuple):
 def decomposition_dtype(factor_dtype: Any) -> Any:
   """Decompositions run in the factor dtype, but never below float32."""
   return jnp.promote_types(factor_dtype, jnp.float32)
-
-
-def _each_matrix(fn: Any, x: Array) -> Any:
-  """``fn`` applied to every ``(d, d)`` matrix of ``x`` (``(..., d, d)``).
-
-  Elsewhere one batched call. On the CPU one matrix at a time, in a loop (one
-  call in the program whatever the number of matrices): jaxlib's batched LAPACK
-  kernels split their batch over XLA's CPU thread pool and wait for the parts
-  on a thread of that same pool, so two batched decompositions running at once
-  on a pool of two threads wait for each other forever (seen on this machine's
-  2 cores with two stacks of 32 layers).
-  """
-  batch = x.shape[:-2]
-  if jax.default_backend() != "cpu":
-    return fn(x)
-  flat = x.reshape(-1, *x.shape[-2:])
-  if flat.shape[0] == 1:
-    out = jax.tree.map(lambda y: y[None], fn(flat[0]))
-  else:
-    out = jax.lax.map(fn, flat)
-  return jax.tree.map(lambda y: y.reshape(*batch, *y.shape[1:]), out)
 
 
 def _scale(mean: Array) -> Array:
@@ -174,7 +155,7 @@ def decompose(factor: Array, method: str, diagonal: bool, damping: Array) -> Dec
     return Decomposition(None, values if method == EIGEN else 1.0 / (values + damping))
   factor = 0.5 * (factor + jnp.swapaxes(factor, -1, -2))
   if method == EIGEN:
-    values, vectors = _each_matrix(jnp.linalg.eigh, factor)
+    values, vectors = cpu_loop.each_matrix(jnp.linalg.eigh, factor)
     return Decomposition(vectors, jnp.maximum(values, 0.0))
   eye = jnp.eye(factor.shape[-1], dtype=dtype)
   per_member = (-1, *[1] * (factor.ndim - 1))
@@ -186,7 +167,7 @@ def decompose(factor: Array, method: str, diagonal: bool, damping: Array) -> Dec
   # A factor that is singular up to rounding (rank-deficient batch, dead units)
   # can make the Cholesky fail at a tiny damping; retry once with the damping
   # raised by the rounding error of the factor's diagonal.
-  inverse = _each_matrix(cholesky_inverse, factor + damping * eye)
+  inverse = cpu_loop.each_matrix(cholesky_inverse, factor + damping * eye)
   diag = jnp.abs(jnp.diagonal(factor, axis1=-2, axis2=-1))
   jitter = jnp.finfo(dtype).eps * factor.shape[-1] * diag.reshape(factor.shape[0], -1).max(axis=1)
   ok = finite_per_member(inverse).reshape(per_member)
@@ -194,7 +175,7 @@ def decompose(factor: Array, method: str, diagonal: bool, damping: Array) -> Dec
   inverse = jax.lax.cond(
     jnp.all(ok),
     lambda: inverse,
-    lambda: jnp.where(ok, inverse, _each_matrix(cholesky_inverse, factor + retry * eye)),
+    lambda: jnp.where(ok, inverse, cpu_loop.each_matrix(cholesky_inverse, factor + retry * eye)),
   )
   return Decomposition(inverse, None)
 

@@ -51,8 +51,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from kaisa_jax import checkpointing, preconditioning, transform
+from kaisa_jax import checkpointing, cpu_loop, phases, preconditioning, transform
 from kaisa_jax import hyperparameters as hp
+from kaisa_jax import state as state_lib
+from kaisa_jax.plan import Plan
 
 Array = jax.Array
 
@@ -143,7 +145,7 @@ def eigenvalues(factor: Array, diagonal: bool) -> Array:
   if diagonal:
     return jnp.maximum(factor, 0.0)
   factor = 0.5 * (factor + jnp.swapaxes(factor, -1, -2))
-  return jnp.maximum(preconditioning._each_matrix(jnp.linalg.eigvalsh, factor), 0.0)
+  return jnp.maximum(cpu_loop.each_matrix(jnp.linalg.eigvalsh, factor), 0.0)
 
 
 def layer_statistics(
@@ -176,10 +178,10 @@ _INJECTED = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
 
 
 def _is_node(x: Any) -> bool:
-  return isinstance(x, (transform.KFACState, *_INJECTED))
+  return isinstance(x, (state_lib.KFACState, *_INJECTED))
 
 
-def find_states(tree: Any, damping: Any = None) -> list[tuple[transform.KFACState, Any]]:
+def find_states(tree: Any, damping: Any = None) -> list[tuple[state_lib.KFACState, Any]]:
   """Every `KFACState` in an optimizer state, with the damping injected around it.
 
   One walk over ``tree`` (``optax.chain``, ``apply_if_finite``,
@@ -190,14 +192,14 @@ def find_states(tree: Any, damping: Any = None) -> list[tuple[transform.KFACStat
   """
   found = []
   for node in jax.tree.leaves(tree, is_leaf=_is_node):
-    if isinstance(node, transform.KFACState):
+    if isinstance(node, state_lib.KFACState):
       found.append((node, damping))
     elif isinstance(node, _INJECTED):
       found += find_states(node.inner_state, node.hyperparams.get("damping", damping))
   return found
 
 
-def _one_state(tree: Any) -> tuple[transform.KFACState, Any]:
+def _one_state(tree: Any) -> tuple[state_lib.KFACState, Any]:
   found = find_states(tree)
   if len(found) != 1:
     raise ValueError(
@@ -212,7 +214,7 @@ def _one_state(tree: Any) -> tuple[transform.KFACState, Any]:
   return found[0]
 
 
-def _global_view(plan: transform.Plan, state: transform.KFACState) -> transform.KFACState:
+def _global_view(plan: Plan, state: state_lib.KFACState) -> state_lib.KFACState:
   """The global state, or a clear error for one device's view of a distributed state."""
   comm, layout = plan.collectives, plan.layout
   one_device_view = (comm.mode == "pmap" and layout.devices > 1 and np.ndim(state.count) == 0) or (
@@ -230,8 +232,8 @@ def _global_view(plan: transform.Plan, state: transform.KFACState) -> transform.
 
 
 def _resolve_damping(
-  kfac: transform.KFAC | transform.Plan,
-  state: transform.KFACState,
+  kfac: transform.KFAC | Plan,
+  state: state_lib.KFACState,
   injected: Any,
   damping: Any,
   dtype: Any,
@@ -251,7 +253,7 @@ def _resolve_damping(
 
 
 def curvature_statistics(
-  kfac: transform.KFAC | transform.Plan, opt_state: Any, damping: Any = None
+  kfac: transform.KFAC | Plan, opt_state: Any, damping: Any = None
 ) -> CurvatureStatistics:
   """Per layer, the eigenvalues, relative damping and condition number K-FAC works with.
 
@@ -291,7 +293,7 @@ def curvature_statistics(
     ``failed_decompositions``.
   """
   plan = kfac.plan if isinstance(kfac, transform.KFAC) else kfac
-  if not isinstance(plan, transform.Plan):
+  if not isinstance(plan, Plan):
     raise TypeError(
       f"curvature_statistics' first argument is a kaisa_jax.kfac transformation or its plan, "
       f"got {type(kfac).__name__}"
@@ -301,9 +303,9 @@ def curvature_statistics(
   dtype = preconditioning.decomposition_dtype(plan.factor_dtype)
   damp = _resolve_damping(kfac, state, injected, damping, dtype)
   form = plan.damping_form
-  decompositions = transform.grouped_decompositions(plan, state)
+  decompositions = state_lib.grouped_decompositions(plan, state)
   needs_factors = any(t.method != preconditioning.EIGEN for _, t in plan.layers)
-  factors = transform.grouped_factors(plan, state) if needs_factors else {}
+  factors = state_lib.grouped_factors(plan, state) if needs_factors else {}
   layers = {}
   for spec, t in plan.layers:
     values = []
@@ -313,7 +315,7 @@ def curvature_statistics(
       else:
         values.append(eigenvalues(getattr(factors[spec.name], side), diagonal))
     layers[spec.name] = layer_statistics(
-      *values, t.method, damp, transform.layer_damping_form(spec, form)
+      *values, t.method, damp, phases.layer_damping_form(spec, form)
     )
   stats = CurvatureStatistics(
     layers,

@@ -23,7 +23,7 @@ from sklearn.datasets import load_digits
 
 import kaisa_jax
 from kaisa_jax import cluster as cluster_lib
-from kaisa_jax import communication, transform
+from kaisa_jax import communication, cpu_loop, transform
 from kaisa_jax.analysis import accounting, projection
 
 
@@ -331,7 +331,7 @@ def test_a_stack_preconditioned_in_a_loop_costs_what_it_does_member_by_member(mo
   _, grads, curvature = grad_fn(params, x)
   costs = {}
   for loop_from in (64, 8):  # 16 members: one by one, then in a loop of two turns
-    monkeypatch.setattr(transform, "LOOP_FROM", loop_from)
+    monkeypatch.setattr(cpu_loop, "LOOP_FROM", loop_from)
     costs[loop_from] = projection.kfac_work(kfac, state, grads, curvature, 10, 100)
   apart, looped = costs[64].preconditioning, costs[8].preconditioning
   # Per member: two products by A's basis (9 x 9, bias row in), two by G's (8 x 8).

@@ -15,7 +15,7 @@ import pytest
 from conftest import dense_stack
 
 import kaisa_jax
-from kaisa_jax import assignment, cost, preconditioning, transform
+from kaisa_jax import assignment, cost, cpu_loop, preconditioning
 from kaisa_jax.layers import LayerSpec
 
 EIGEN = cost.Treatment("eigen")
@@ -74,13 +74,13 @@ def test_a_stack_decomposes_every_member_as_if_alone(method):
 
 
 @pytest.mark.parametrize("k", [2, 9, 16, 21])
-@pytest.mark.parametrize("loop_from", [4, transform.LOOP_FROM])
+@pytest.mark.parametrize("loop_from", [4, cpu_loop.LOOP_FROM])
 @pytest.mark.parametrize("method", ["eigen", "inverse"])
 def test_a_stack_preconditions_every_member_as_if_alone(monkeypatch, method, loop_from, k):
   """Member by member, or on the CPU in a loop for a deep stack (turns of several members,
   some computed twice when the turns do not divide the stack): each member's result is
   where the batched call puts it, bit for bit what it is alone."""
-  monkeypatch.setattr(transform, "LOOP_FROM", loop_from)  # small stacks in a loop too
+  monkeypatch.setattr(cpu_loop, "LOOP_FROM", loop_from)  # small stacks in a loop too
   a, g = _factors(k, 7, 20, 2), _factors(k, 5, 20, 3)
   damping = jnp.float32(1e-2)
   dec_a, dec_g = (preconditioning.decompose(f, method, False, damping) for f in (a, g))
@@ -92,10 +92,10 @@ def test_a_stack_preconditions_every_member_as_if_alone(monkeypatch, method, loo
   offsets = tuple(jnp.asarray(j, jnp.int32) for j in range(k))
 
   def stack(flat, v, dec_a, dec_g):
-    if not transform._looped(k):
-      together = transform._at_once(fn, (v, dec_a, dec_g), offsets, damping)
+    if not cpu_loop.looped(k):
+      together = cpu_loop.at_once(fn, (v, dec_a, dec_g), offsets, damping)
       return jax.lax.dynamic_update_slice(flat, together.reshape(-1), (3,))
-    return transform._in_loop(fn, lambda: (v, dec_a, dec_g), flat, 3, offsets, damping)
+    return cpu_loop.in_loop(fn, lambda: (v, dec_a, dec_g), flat, 3, offsets, damping)
 
   flat = jnp.full((3 + v.size + 4,), -1.0)
   out = jax.jit(stack)(flat, v, dec_a, dec_g)
@@ -176,7 +176,7 @@ def _train(monkeypatch, apart: bool, compute_method: str, kl_clip: float | None)
 def test_stacked_layers_train_as_layers_computed_one_by_one(monkeypatch, method, loop_from):
   """Without the KL clip, bit for bit: a batch computes each member as it would alone (on
   the CPU with ``loop_from=2`` the six hidden layers are preconditioned in a loop)."""
-  monkeypatch.setattr(transform, "LOOP_FROM", loop_from)
+  monkeypatch.setattr(cpu_loop, "LOOP_FROM", loop_from)
   kfac, params, factors = _train(monkeypatch, False, method, kl_clip=None)
   stacks = kfac.plan.layout.all_stacks()
   assert sorted(len(s) for s in stacks) == [1, 1, 6]  # input layer, head, the six hidden
@@ -222,28 +222,28 @@ def test_a_stack_is_one_batched_decomposition():
   assert len(kfac.plan.layout.all_stacks()) == 1
 
 
-@pytest.mark.parametrize("loop_from", [8, transform.LOOP_FROM])
+@pytest.mark.parametrize("loop_from", [8, cpu_loop.LOOP_FROM])
 def test_members_read_their_results_at_the_offsets_in_the_state(monkeypatch, loop_from):
   """The offsets are runtime values (so members share compiled kernels): permuted, so are the
   members' updates."""
-  monkeypatch.setattr(transform, "LOOP_FROM", loop_from)  # 16 members: in a loop, or not
+  monkeypatch.setattr(cpu_loop, "LOOP_FROM", loop_from)  # 16 members: in a loop, or not
   kfac, params, step = _deep()
   state = kfac.init(params)
   assert [int(x) for x in state.stack_offsets] == list(range(16))
   updates, _ = jax.jit(step)(params, state)
   # The members rotated within the first and the last eight: a permutation that keeps the
-  # starts of the loop's turns (`transform._in_loop`) among the first `lanes` offsets.
-  turns = -(-16 // transform.LANES)
+  # starts of the loop's turns (`cpu_loop.in_loop`) among the first `lanes` offsets.
+  turns = -(-16 // cpu_loop.LANES)
   lanes = -(-16 // turns)
   order = [(j + 1) % lanes for j in range(lanes)] + [
     lanes + (j + 1) % (16 - lanes) for j in range(16 - lanes)
   ]
   permuted = state._replace(stack_offsets=tuple(state.stack_offsets[j] for j in order))
   moved, _ = jax.jit(step)(params, permuted)
-  # Each update is read at its offset. Computed member by member on the CPU (`_at_once`),
+  # Each update is read at its offset. Computed member by member on the CPU (`cpu_loop.at_once`),
   # each member's gradient and decompositions are read at the offsets as well; in a loop
   # or batched, the members are computed in place.
-  twice = jax.default_backend() == "cpu" and not transform._looped(16)
+  twice = jax.default_backend() == "cpu" and not cpu_loop.looped(16)
   source = [order[order[i]] if twice else order[i] for i in range(16)]
   for i in range(16):
     for key in ("kernel", "bias"):

@@ -59,6 +59,28 @@ def test_bad_hyperparameters_raise_at_construction(kwargs, error, match):
     kaisa_jax.kfac(LAYERS, **({"kl_clip": None} | kwargs))
 
 
+@pytest.mark.parametrize(
+  "kwargs",
+  [
+    dict(factor_update_steps=0),
+    dict(factor_update_steps=2.5),
+    dict(inv_update_steps=0),
+    dict(inv_update_steps=lambda s: 0.5),
+    dict(compute_method="cholesky"),
+    dict(factor_dtype=jnp.int32),
+    dict(max_cost_ratio=-1.0),
+    dict(assignment_cost="time"),
+  ],
+)
+def test_the_planner_refuses_what_kfac_refuses_with_the_same_message(kwargs):
+  # One check (kaisa_jax.config.check_settings) serves both.
+  with pytest.raises((TypeError, ValueError)) as by_kfac:
+    kaisa_jax.kfac(LAYERS, kl_clip=None, **kwargs)
+  with pytest.raises(by_kfac.type) as by_planner:
+    kaisa_jax.plan_fractions(LAYERS, 2, kaisa_jax.DGX_A100, **kwargs)
+  assert str(by_planner.value) == str(by_kfac.value)
+
+
 def test_layers_argument_is_required_and_checked():
   with pytest.raises(TypeError, match=r"grad_fn\.layers"):
     kaisa_jax.kfac(PARAMS, kl_clip=None)

@@ -2,7 +2,7 @@
 
 `hlo_collectives` reads a compiled train step's HLO text and attributes each
 collective to K-FAC's phases by the named scopes its collectives run under
-(`kaisa_jax.transform`), so the model of `kaisa_jax.communication` can be
+(`kaisa_jax.phases`, `kaisa_jax.chain_order`), so the model of `kaisa_jax.communication` can be
 checked against what XLA compiled. Bytes moved follow the ring algorithms of
 `kaisa_jax.communication.moved`.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from kaisa_jax import transform
+from kaisa_jax import chain_order, phases
 from kaisa_jax.communication import (
   CHAIN_CHECK,
   DECOMPOSITION_SHARING,
@@ -26,10 +26,10 @@ from kaisa_jax.communication import (
 )
 
 _SCOPES = {
-  transform.FACTOR_REDUCTION: FACTOR_REDUCTION,
-  transform.DECOMPOSITION_SHARING: DECOMPOSITION_SHARING,
-  transform.GRADIENT_SHARING: GRADIENT_SHARING,
-  transform.CHAIN_CHECK: CHAIN_CHECK,
+  phases.FACTOR_REDUCTION: FACTOR_REDUCTION,
+  phases.DECOMPOSITION_SHARING: DECOMPOSITION_SHARING,
+  phases.GRADIENT_SHARING: GRADIENT_SHARING,
+  chain_order.CHAIN_CHECK: CHAIN_CHECK,
 }
 _KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _DTYPE_BYTES = {

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kaisa_jax import transform
+from kaisa_jax import parameters, phases, transform
 from kaisa_jax.cluster import MATMUL_SIZES, MATMUL_WIDTHS, Cluster
 from kaisa_jax.communication import (
   Collective,
@@ -555,7 +555,7 @@ def _loop_shortfall(hlo: str) -> tuple[float, float]:
   adds ``n - 1`` times its body's cost (`_xla_cost`), times the trips of the
   loops around it. A conditional counts its larger branch. (On a CPU, kaisa_jax
   decomposes each stack of equal layers in a loop, and preconditions a stack of
-  more than `transform.LOOP_FROM` layers in one; ``nn.scan`` and ``lax.map``
+  more than `kaisa_jax.cpu_loop.LOOP_FROM` layers in one; ``nn.scan`` and ``lax.map``
   make loops too.)
   """
   computations, entry = _computations(hlo)
@@ -664,15 +664,15 @@ def kfac_work(
   damping, decay = jnp.float32(1e-2), jnp.float32(0.95)  # any values: the costs do not change
   dtype = plan.factor_dtype
   dec_dtype = state.decompositions.dtype
-  layer_grads = transform._layer_params(grads, plan, "gradients")
+  layer_grads = parameters.layer_params(grads, plan, "gradients")
   return KFACWork(
     plan=plan,
     factors=cost_of(
-      lambda s, c: transform.update_factors(plan, s, c, decay, dtype, comm), state, curvature
+      lambda s, c: phases.update_factors(plan, s, c, decay, dtype, comm), state, curvature
     ),
-    decompositions=cost_of(lambda s: transform.decompose_factors(plan, s, damping, comm), state),
+    decompositions=cost_of(lambda s: phases.decompose_factors(plan, s, damping, comm), state),
     preconditioning=cost_of(
-      lambda g, s: transform.precondition_grads(
+      lambda g, s: phases.precondition_grads(
         plan, g, s.decompositions, damping, dec_dtype, comm, s.stack_offsets
       ),
       layer_grads,

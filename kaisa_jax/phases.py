@@ -1,0 +1,386 @@
+"""The phases of a K-FAC step over stacks of equal layers, with their collectives.
+
+Each phase computes a stack as one batch (`kaisa_jax.stacking`); on the CPU,
+`kaisa_jax.cpu_loop` decides how. In the order `kaisa_jax.kfac` runs them:
+
+1. `update_factors`: ``F <- (1 - w) F + w F_batch`` for each factor, the batch
+   factors reduced onto the factor's owner (`kaisa_jax.factors`);
+2. `decompose_factors`: each device decomposes the factors it owns
+   (`kaisa_jax.preconditioning`); its grad-worker group receives them;
+3. `precondition_grads`: ``P = (A (x) G + damping)^-1 V`` for every layer, each
+   group its own layers, shared with the other groups; with ``sum <P, V>``;
+4. `kl_scale`: the KL clip's ``nu = min(1, sqrt(kl_clip / |lr^2 sum <P, V>|))``;
+5. `write_back`: ``nu P`` written over each layer's update.
+
+Each device runs the branch of its own place on the grid (`jax.lax.switch`
+over ``(group, grad worker)``): what a device does not own it does not
+compute.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from kaisa_jax import cost, cpu_loop, distribution, parameters, preconditioning, stacking
+from kaisa_jax import factors as factors_lib
+from kaisa_jax import hyperparameters as hp
+from kaisa_jax import layers as layers_lib
+from kaisa_jax.capture import Curvature
+from kaisa_jax.plan import Plan
+from kaisa_jax.stacking import LayerDecompositions, LayerFactors, Stacks
+from kaisa_jax.state import KFACState
+
+Array = jax.Array
+
+# Named scopes of each phase's collectives (`kaisa_jax.analysis.accounting` reads them).
+FACTOR_REDUCTION = "kaisa_factor_reduction"
+DECOMPOSITION_SHARING = "kaisa_decomposition_sharing"
+GRADIENT_SHARING = "kaisa_gradient_sharing"
+
+
+def _switch(index: Array, branches: list, *operands):
+  """`jax.lax.switch`, or the only branch when there is one."""
+  if len(branches) == 1:
+    return branches[0](*operands)
+  return jax.lax.switch(index, branches, *operands)
+
+
+def layer_damping_form(spec: layers_lib.LayerSpec, form: str) -> str:
+  """The damping form of a layer: ``form``, but KAISA's for a normalisation layer.
+
+  A normalisation layer's ``G`` is exactly 1 (its per-feature 2x2 block is all of
+  its curvature, in ``A``), so there is no second factor to share the damping
+  with: the block is solved as ``(A + damping I)^-1``.
+  """
+  return preconditioning.KAISA if spec.kind in layers_lib.NORMS else form
+
+
+# ----------------------------------------------------------------- 1. factors
+
+
+def _batch_factors(plan: Plan, curvature: Curvature, dtype: Any, sharing: str) -> Stacks:
+  """Every stack's factors of the current batch, from this device's rows."""
+  return {
+    tuple(members): stacking.per_stack(
+      plan,
+      members,
+      lambda spec, c, t=plan.layers[members[0]][1]: factors_lib.batch_factors(
+        spec, c, t.diagonal, dtype, sharing
+      ),
+      [curvature[plan.layers[i][0].name] for i in members],
+    )
+    for members in plan.layout.all_stacks()
+  }
+
+
+def update_factors(
+  plan: Plan,
+  state: KFACState,
+  curvature: Curvature,
+  decay: Array,
+  dtype: Any,
+  comm: distribution.Collectives,
+  sharing: str = factors_lib.EXPAND,
+) -> KFACState:
+  """Phase 1: folds the current batch's factors into the running averages.
+
+  Every device computes the batch factors of every layer from its own rows, one
+  batched computation per stack of equal layers; their mean over devices lands
+  on the layer's owner only (one reduce-scatter).
+  If any device's share is not finite, no device updates and the skip is
+  counted.
+  """
+  layout = plan.layout
+  weight, total = factors_lib.average_weight(state.factor_total, decay)
+  batch = _batch_factors(plan, curvature, dtype, sharing)
+  send = [
+    distribution.flatten_into(
+      [x for members in layout.stacks(r, c) for x in stacking.select(batch, members)],
+      layout.factor_size,
+      dtype,
+    )
+    for r in range(layout.rows)
+    for c in range(layout.cols)
+  ]
+  send = jnp.stack(send).reshape(layout.rows, layout.cols, layout.factor_size)
+  with jax.named_scope(FACTOR_REDUCTION):
+    mine = comm.reduce_to_owners(send) / comm.size
+    finite = comm.everywhere(jnp.all(jnp.isfinite(mine)))
+  averaged = factors_lib.running_average(state.factors, mine, weight.astype(dtype))
+  return state._replace(
+    factors=jnp.where(finite, averaged, state.factors),
+    factor_total=jnp.where(finite, total, state.factor_total),
+    skipped_factor_updates=state.skipped_factor_updates + (~finite).astype(jnp.int32),
+  )
+
+
+# ------------------------------------------------------------ 2. decompositions
+
+
+def _inverse_damping(
+  f: LayerFactors, t: cost.Treatment, damping: Array, form: str
+) -> tuple[Array, Array]:
+  """What the inverse method adds to each of a stack's factors (the eigen method adds nothing here)."""
+  if t.method == preconditioning.EIGEN or form == preconditioning.KAISA:
+    return damping, damping
+  means = [preconditioning.factor_mean(x, d) for x, d in zip(f, t.diagonal, strict=True)]
+  return preconditioning.side_damping(form, damping, *means)
+
+
+def _decompose_stack(
+  plan: Plan,
+  members: Sequence[int],
+  f: LayerFactors,
+  last: LayerDecompositions,
+  damping: Array,
+  failures: Array,
+) -> tuple[list[Array], Array]:
+  """One stack's decomposition arrays, a member's last good ones where its new ones are not finite.
+
+  Returns the arrays in buffer order and ``failures`` plus the factors that failed.
+  """
+  spec, t = plan.layers[members[0]]
+  shares = _inverse_damping(f, t, damping, layer_damping_form(spec, plan.damping_form))
+  out = []
+  for factor, diag, previous, share in zip(f, t.diagonal, last, shares, strict=True):
+    arrays = stacking.decomposition_arrays(preconditioning.decompose(factor, t.method, diag, share))
+    ok = jnp.stack([preconditioning.finite_per_member(x) for x in arrays]).all(axis=0)
+    out += [
+      jnp.where(ok.reshape(-1, *[1] * (x.ndim - 1)), x, y)
+      for x, y in zip(arrays, stacking.decomposition_arrays(previous), strict=True)
+    ]
+    failures = failures + jnp.sum(~ok, dtype=jnp.int32)
+  return out, failures
+
+
+def _decompose_owned(
+  plan: Plan,
+  row: int,
+  col: int,
+  damping: Array,
+  comm: distribution.Collectives,
+  dtype: Any,
+  factors: Array,
+  previous: Array,
+) -> tuple[Array, Array]:
+  """The branch of device ``(row, col)``: the buffer of its decompositions, and its failures."""
+  stacks = plan.layout.stacks(row, col)
+  old = stacking.decomposition_stacks(plan, previous[0, col], stacks)
+  new = stacking.factor_stacks(plan, factors[0, 0], stacks)
+  out, failures = [], jnp.zeros([], jnp.int32)
+  for members, f, o in zip(stacks, new, old, strict=True):
+    arrays, failures = _decompose_stack(plan, members, f, o, damping, failures)
+    out += arrays
+  flat = distribution.flatten_into(out, plan.layout.decomposition_size, dtype)
+  return comm.vary(flat[None, None], over_group=True), comm.vary(failures, over_group=True)
+
+
+def decompose_factors(
+  plan: Plan,
+  state: KFACState,
+  damping: Array,
+  comm: distribution.Collectives,
+) -> KFACState:
+  """Phase 2: each device decomposes the factors it owns; its group receives them.
+
+  Each stack of equal shapes is decomposed by one batched call. A decomposition
+  that is not finite (a failed ``eigh`` or Cholesky) keeps the factor's previous
+  decomposition and is counted. The inverse method damps each factor here by
+  its share of the damping of the plan's form (`preconditioning.side_damping`).
+  """
+  layout = plan.layout
+  dtype = preconditioning.decomposition_dtype(state.factors.dtype)
+  branches = [
+    functools.partial(_decompose_owned, plan, r, c, damping, comm, dtype)
+    for r in range(layout.rows)
+    for c in range(layout.cols)
+  ]
+  mine, failures = _switch(comm.index(), branches, state.factors, state.decompositions)
+  with jax.named_scope(DECOMPOSITION_SHARING):
+    gathered = comm.gather_group(mine)
+    failures = comm.total(failures)
+  return state._replace(
+    decompositions=gathered,
+    failed_decompositions=state.failed_decompositions + failures,
+    refresh=jnp.zeros([], bool),
+  )
+
+
+# ------------------------------------------------------------ 3. preconditioning
+
+
+def _gradient_matrices(plan: Plan, grads: dict[str, dict[str, Array]], dtype: Any) -> Stacks:
+  """Every stack's gradients as matrices ``V``, ``(k, groups, a_dim, g_dim)``."""
+  return {
+    tuple(members): stacking.per_stack(
+      plan,
+      members,
+      lambda spec, g: layers_lib.to_matrix(spec, g, dtype),
+      [grads[plan.layers[i][0].name] for i in members],
+    )
+    for members in plan.layout.all_stacks()
+  }
+
+
+def _stack_preconditioner(plan: Plan, members: Sequence[int]) -> Callable:
+  """``fn(V, A, G, damping)``: the preconditioned gradient of a stack's members."""
+  spec, t = plan.layers[members[0]]
+  layer_form = layer_damping_form(spec, plan.damping_form)
+
+  def fn(v, a, g, d, method=t.method, layer_form=layer_form):
+    return preconditioning.precondition(v, a, g, method, d, layer_form)
+
+  return fn
+
+
+def _precondition_group(
+  plan: Plan,
+  row: int,
+  matrices: Stacks,
+  damping: Array,
+  dtype: Any,
+  comm: distribution.Collectives,
+  offsets: Sequence[Array],
+  decompositions: Array,
+) -> Array:
+  """The branch of group ``row``: its layers' preconditioned gradients, one flat buffer.
+
+  A stack is preconditioned at once (`cpu_loop.at_once`), or, for a deep
+  stack on the CPU, in a loop (`cpu_loop.in_loop`) that writes its members
+  over zeros left for them in the buffer.
+  """
+  layout = plan.layout
+  parts, loops, start = [], [], 0
+  for col in range(layout.cols):
+    mine = layout.stacks(row, col)
+    decs = stacking.decomposition_stacks(plan, decompositions[0, col], mine)
+    for s, (members, dec) in enumerate(zip(mine, decs, strict=True)):
+      fn = _stack_preconditioner(plan, members)
+      v = stacking.select(matrices, members)
+      if cpu_loop.looped(len(members)):
+
+        def inputs(v=v, s=s, col=col, mine=mine):  # read inside the loop, where used
+          return v, *stacking.decomposition_stacks(plan, decompositions[0, col], mine)[s]
+
+        parts.append(jnp.zeros(v.shape, dtype))
+        loops.append((fn, inputs, start))
+      else:
+        parts.append(cpu_loop.at_once(fn, (v, dec.a, dec.g), offsets, damping))
+      start += v.size
+  flat = distribution.flatten_into(parts, layout.gradient_size, dtype)
+  for member_fn, stacks, at in loops:  # each writes over its stack's zeros
+    flat = cpu_loop.in_loop(member_fn, stacks, flat, at, offsets, damping)
+  return comm.vary(flat[None], over_group=False)
+
+
+def _received(plan: Plan, everyone: Array, matrices: Stacks) -> Stacks:
+  """Every stack's preconditioned gradients out of the groups' gathered buffers."""
+  layout = plan.layout
+  shape = {i: m.shape[1:] for key, m in matrices.items() for i in key}
+  received = {}
+  for r in range(layout.rows):
+    group = layout.group_stacks(r)
+    parts = distribution.split(everyone[r], [(len(m), *shape[m[0]]) for m in group])
+    received.update(zip(map(tuple, group), parts, strict=True))
+  return {tuple(m): stacking.select(received, m) for m in layout.all_stacks()}
+
+
+def _inner_product(preconditioned: Stacks, matrices: Stacks, dtype: Any) -> Array:
+  """``sum <P, V>`` over every layer, summed stack by stack.
+
+  Summed stack by stack over the stacks of all layers, whatever the layout: the
+  float32 sum, and so the KL clip, are then bit for bit the same for every grad
+  worker fraction. One reduction per stack: XLA copies the additions that
+  produce the clip into every parameter's update, so a sum layer by layer
+  would cost compile time and work quadratic in the depth.
+  """
+  vg_sum = jnp.zeros([], dtype)
+  for key, p in preconditioned.items():
+    vg_sum = vg_sum + jnp.sum(p * matrices[key])
+  return vg_sum
+
+
+def precondition_grads(
+  plan: Plan,
+  grads: dict[str, dict[str, Array]],
+  decompositions: Array,
+  damping: Array,
+  dtype: Any,
+  comm: distribution.Collectives,
+  offsets: Sequence[Array],
+) -> tuple[Stacks, Array]:
+  """Phase 3: the preconditioned gradient matrices, stack by stack, and ``sum <P, V>``.
+
+  Returns ``P`` per stack of `assignment.Layout.all_stacks` (keyed by its
+  members, ``(k, groups, a_dim, g_dim)``) and the sum. Each group
+  preconditions its own layers, one batched product per stack of equal
+  shapes (on the CPU member by member, in a loop for a deep stack, see
+  `kaisa_jax.cpu_loop`; ``offsets`` are `KFACState.stack_offsets`); the
+  other groups receive them (one all-gather).
+  """
+  matrices = _gradient_matrices(plan, grads, dtype)
+  branches = [
+    functools.partial(_precondition_group, plan, r, matrices, damping, dtype, comm, offsets)
+    for r in range(plan.layout.rows)
+  ]
+  row, _ = comm.position()
+  mine = _switch(row, branches, decompositions)
+  with jax.named_scope(GRADIENT_SHARING):
+    everyone = comm.gather_receivers(mine)
+  preconditioned = _received(plan, everyone, matrices)
+  return preconditioned, _inner_product(preconditioned, matrices, dtype)
+
+
+# ------------------------------------------------------- 4. KL clip, 5. write-back
+
+
+def kl_scale(
+  in_order: Array,
+  vg_sum: Array,
+  kl_clip: hp.ScalarOrSchedule | None,
+  lr: hp.ScalarOrSchedule | None,
+  step: Array,
+  dtype: Any,
+) -> Array:
+  """Phase 4: ``nu = min(1, sqrt(kl_clip / |lr^2 sum <P, V>|))`` times ``in_order``; no clip, ``in_order``.
+
+  ``in_order`` is the chain check's exact 1 (`kaisa_jax.chain_order`): the
+  product leaves every bit of ``nu`` as it was.
+  """
+  if kl_clip is None:
+    return in_order
+  return in_order * preconditioning.kl_clip_scale(
+    vg_sum, hp.at(kl_clip, step, dtype), hp.at(lr, step, dtype)
+  )
+
+
+def write_back(
+  plan: Plan,
+  updates: Any,
+  grads: dict[str, dict[str, Array]],
+  preconditioned: Stacks,
+  nu: Array,
+  offsets: Sequence[Array],
+) -> Any:
+  """Phase 5: ``updates`` with each layer's weight and bias replaced by those of ``nu P``.
+
+  Each stack is turned back into parameter shapes as one batch; each member
+  is read out at its runtime offset and cast to its gradient's dtype. Every
+  other leaf passes through unchanged.
+  """
+  replacements: parameters.Replacements = {}
+  for members, p in preconditioned.items():
+    first = plan.layers[members[0]][0]  # members share their shapes
+    stacked = stacking.vmap(lambda v, spec=first: layers_lib.from_matrix(spec, v), nu * p)
+    for j, i in enumerate(members):
+      spec = plan.layers[i][0]
+      for key, value in stacked.items():
+        value = stacking.member(value, offsets, j).astype(grads[spec.name][key].dtype)
+        path = parameters.leaf_path(spec, key)
+        replacements.setdefault(path, []).append((spec.param_index, value))
+  return parameters.with_replacements(updates, replacements)
