@@ -153,12 +153,29 @@ def layer_factors(plan: Plan, state: KFACState) -> dict[str, LayerFactors]:
   ``feature_group_count = k > 1`` has one factor per group, ``(k, d, d)``.
   Works on a single-device state and on the global state of a mesh (outside
   ``shard_map``), where it reads each factor from the device that owns it.
+
+  Args:
+    plan: the plan of the `kaisa_jax.kfac` that made the state (``kfac.plan``).
+    state: its `KFACState`, as ``kaisa_jax.curvature_statistics`` finds it in
+      an optimizer state, or the state itself.
+
+  Returns:
+    ``{layer name: LayerFactors(a, g)}``.
   """
   return _drop_groups_axis(plan, grouped_factors(plan, state))
 
 
 def layer_decompositions(plan: Plan, state: KFACState) -> dict[str, LayerDecompositions]:
-  """Each layer's latest decompositions, shaped as `layer_factors` shapes the factors."""
+  """Each layer's latest decompositions, shaped as `layer_factors` shapes the factors.
+
+  Args:
+    plan: the plan of the `kaisa_jax.kfac` that made the state (``kfac.plan``).
+    state: its `KFACState`.
+
+  Returns:
+    ``{layer name: LayerDecompositions(a, g)}``, each side a
+    `kaisa_jax.preconditioning.Decomposition`.
+  """
   return _drop_groups_axis(plan, grouped_decompositions(plan, state))
 
 
@@ -174,6 +191,14 @@ def partition_specs(tree: Any) -> Any:
 
   K-FAC's factors are split over both mesh axes, its decompositions over the
   receivers (each group holds its own); everything else is replicated.
+
+  Args:
+    tree: an optimizer state (or any pytree) holding the `KFACState` of a
+      `kaisa_jax.kfac` built with ``mesh=``.
+
+  Returns:
+    A pytree of `jax.sharding.PartitionSpec` shaped like ``tree``, for
+    ``jax.shard_map``'s ``in_specs`` and ``out_specs``.
   """
   return jax.tree.map(
     lambda x: state_partition_specs(_check_made_for_mesh(x)) if isinstance(x, KFACState) else P(),

@@ -14,6 +14,8 @@ import sys
 import pytest
 from markdown_it import MarkdownIt
 
+import kaisa_jax
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 PAGES = sorted(p for p in DOCS.rglob("*.md") if "_build" not in p.relative_to(DOCS).parts)
@@ -111,3 +113,67 @@ def test_api_reference_documents_every_public_name():
     if not any(found.get(n) == directive_for(obj) for n in names):
       missing[name] = directive_for(obj)
   assert not missing, f"docs/api.md lacks (name: directive): {missing}"
+
+
+def _public_callables() -> dict[str, object]:
+  """Every public function and class of the package and of its analysis modules."""
+  import dataclasses
+
+  from kaisa_jax.analysis import accounting, projection
+
+  out = {f"kaisa_jax.{n}": getattr(kaisa_jax, n) for n in kaisa_jax.__all__}
+  for module in (accounting, projection):
+    for n in dir(module):
+      obj = getattr(module, n)
+      if not n.startswith("_") and getattr(obj, "__module__", None) == module.__name__:
+        out[f"{module.__name__}.{n}"] = obj
+  return {
+    name: obj
+    for name, obj in out.items()
+    if callable(obj)
+    and not inspect.ismodule(obj)
+    # Records list their fields under Attributes: their constructors take exactly those.
+    and not (inspect.isclass(obj) and (dataclasses.is_dataclass(obj) or hasattr(obj, "_fields")))
+  }
+
+
+def undocumented_arguments(obj: object) -> list[str]:
+  """The parameters of ``obj``'s signature that its docstring never names."""
+  doc = inspect.getdoc(obj) or ""
+  try:
+    params = inspect.signature(obj).parameters
+  except (TypeError, ValueError):
+    return []
+  return [
+    p
+    for p, v in params.items()
+    if v.kind not in (v.VAR_POSITIONAL, v.VAR_KEYWORD)
+    and p != "self"
+    and not re.search(rf"(?<![\w.]){re.escape(p)}(?!\w)", doc)
+  ]
+
+
+def test_every_public_argument_is_documented():
+  missing = {}
+  for name, obj in _public_callables().items():
+    if inspect.isclass(obj) and "Built by `" in (inspect.getdoc(obj) or ""):
+      continue  # made by a factory function, whose arguments are documented
+    if names := undocumented_arguments(obj):
+      missing[name] = names
+  assert not missing, f"arguments missing from the docstrings: {missing}"
+
+
+def test_the_argument_check_sees_a_missing_argument():
+  def documented(a, b):
+    """Adds.
+
+    Args:
+      a: one.
+      b: the other.
+    """
+
+  def half(a, b):
+    """Adds ``a`` to another."""
+
+  assert undocumented_arguments(documented) == []
+  assert undocumented_arguments(half) == ["b"]

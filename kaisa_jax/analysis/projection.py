@@ -123,6 +123,10 @@ def host_rates(probes: dict[str, Probe], seconds: dict[str, float]) -> dict[str,
   bandwidths too: devices of a host share its memory) and
   ``kernel_overhead`` (the chains' difference in time over their difference
   in kernels), as keyword arguments of `Cluster` or ``dataclasses.replace``.
+
+  Args:
+    probes: `host_probes`' programs, by name.
+    seconds: seconds per call of each of them, by the same names.
   """
   bandwidth = probes["stream"].cost.bytes / seconds["stream"]
   kernels = probes["long chain"].cost.kernels - probes["short chain"].cost.kernels
@@ -148,6 +152,10 @@ def measure_host(name: str = "this host") -> Cluster:
   the moment they are taken (it drifts by tens of percent within minutes on a
   shared machine): time the probes in turns with that work where the
   comparison matters, as ``benchmarks/projection.py`` does.
+
+  Args:
+    name: what to call the machine in the `Cluster`'s name (its device kind
+      is added).
   """
   probes = host_probes()
   seconds = {k: _median_seconds(p.fn, *p.args, repeats=30) for k, p in probes.items()}
@@ -245,6 +253,9 @@ def lapack_flops(hlo: str) -> float:
   ``r c max(r, c)`` per triangular solve with an ``r x c`` result (``n^2 m``
   for ``m`` right-hand sides of an ``n x n`` triangle: exact when square, more
   otherwise). A call in a loop counts once per trip (`_runs`).
+
+  Args:
+    hlo: the HLO text of a compiled program (``compiled.as_text()``).
   """
   computations, entry = _computations(hlo)
   runs = _runs(computations, entry)
@@ -326,6 +337,9 @@ def kernel_count(hlo: str) -> float:
   largest branch (as XLA's cost analysis counts its flops, as if the branch
   always ran), a loop its body once per trip (once if XLA does not know the
   trip count).
+
+  Args:
+    hlo: the HLO text of a compiled program (``compiled.as_text()``).
   """
   computations, entry = _computations(hlo)
 
@@ -380,6 +394,9 @@ def matmul_flops(hlo: str) -> list[float]:
   trip (as `kernel_count`). XLA's CPU programs keep them as such; a GPU program
   runs them as library calls (cuBLAS, cuDNN), which this does not count, so its
   flops all go at ``flops_per_s``.
+
+  Args:
+    hlo: the HLO text of a compiled program (``compiled.as_text()``).
   """
   computations, entry = _computations(hlo)
 
