@@ -28,7 +28,7 @@ import kaisa_jax
 
 WEIGHT_DECAY = 1e-4
 # Every optimizer skips a step whose gradient is not finite (the whole step, K-FAC's
-# state included), as the README recommends; this many in a row let NaN through.
+# state included), as the quick start recommends; this many in a row let NaN through.
 MAX_NONFINITE_STEPS = 5
 
 
@@ -74,7 +74,7 @@ def kfac_arguments(settings: dict[str, Any]) -> dict[str, Any]:
   return {"damping_form": DAMPING_FORM, **settings}
 
 
-# Learning rates (and K-FAC damping) from the MNIST-1D sweep in the README.
+# Learning rates (and K-FAC damping) from the MNIST-1D sweep (docs/benchmarks/experiments.md).
 DEFAULTS: dict[str, Optimizer] = {
   "sgd": Optimizer("sgd", 0.1),
   "adam": Optimizer("adam", 3e-3),

@@ -11,7 +11,7 @@ backend and jaxlib's LAPACK kernels serve batches poorly, so on the CPU:
 
 Each member is computed by the operations that compute it alone, so its
 numbers are bit for bit those of the batch. The constants below are tuning
-measured on a 2-core CPU (README, "Deep models: stacks and compile time").
+measured on a 2-core CPU (docs/guides/performance.md, docs/benchmarks/compile_time.md).
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ from kaisa_jax.plan import Plan
 Array = jax.Array
 
 # Thresholds of `check_damping` on the relative damping, set from
-# benchmarks/robustness.py (README, "Choosing the damping"): of its K-FAC runs,
+# benchmarks/robustness.py (docs/benchmarks/robustness.md): of its K-FAC runs,
 # every one with a layer below 0.1 at the end, and most with a layer above 1e3,
 # ended more than twice the tuned first-order optimizer's final loss.
 NEGLIGIBLE_DAMPING = 1e-1
