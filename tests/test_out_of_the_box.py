@@ -314,7 +314,9 @@ def test_restore_on_a_mesh_continues_under_optax_wrappers(tmp_path, wrapper):
 
   def train(params, state, inputs):
     for x, y in inputs:
-      params, state = step(params, state, x, y)
+      # One step in flight at a time: emulated CPU devices can deadlock in a collective
+      # when a second step is dispatched before the first has finished.
+      params, state = jax.block_until_ready(step(params, state, x, y))
     return params, state
 
   uninterrupted, _ = train(params, state, inputs)
