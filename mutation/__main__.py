@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
   plans = [_plan(name, config["modules"][name], args) for name in names]
   if args.list:
     for run, selected in plans:
-      print(f"{run.name}: {len(selected)} of {run.total} mutants")
+      print(f"{run.name}: {len(selected)} of {run.total} mutants ({run.selection})")
       for m in selected:
         print(f"  #{m.index:<4d} {m.path}:{m.line:<5d} {m.function:30s} {m.description}")
         print(f"        {m.before}\n     -> {m.after}")
