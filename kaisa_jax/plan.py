@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 from kaisa_jax import assignment, cost, distribution, preconditioning
 from kaisa_jax import layers as layers_lib
 from kaisa_jax.capture import Layers, Skipped
+from kaisa_jax.config import Settings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,33 +117,36 @@ def collectives_for(
 def make_plan(
   layers: Layers,
   comm: distribution.Collectives,
+  settings: Settings,
   mesh: Mesh | None = None,
-  *,
-  compute_method: str,
-  inv_update_steps: int,
-  max_cost_ratio: float | None,
-  assignment_cost: str,
-  factor_dtype: Any,
   damping_form: str = preconditioning.DEFAULT_FORM,
 ) -> Plan:
-  """Each layer's treatment (`kaisa_jax.cost`) and owner (`kaisa_jax.assignment`) on ``comm``'s devices."""
+  """Each layer's treatment (`kaisa_jax.cost`) and owner (`kaisa_jax.assignment`) on ``comm``'s devices.
+
+  ``settings`` (checked by `kaisa_jax.config.check_settings`) give the method,
+  the decompositions' cadence and the cost ratio that choose each treatment,
+  the cost the assignment balances and the factor dtype.
+  """
   treated = tuple(
     (
       spec,
       cost.choose_treatment(
-        whole_batch(spec, comm), compute_method, inv_update_steps, max_cost_ratio
+        whole_batch(spec, comm),
+        settings.compute_method,
+        settings.inv_update_steps,
+        settings.max_cost_ratio,
       ),
     )
     for spec in layers.specs
   )
-  layout = assignment.make_layout(treated, comm.rows, comm.cols, assignment_cost)
+  layout = assignment.make_layout(treated, comm.rows, comm.cols, settings.assignment_cost)
   return Plan(
     treated,
     layers.skipped,
     layout,
-    inv_update_steps,
+    settings.inv_update_steps,
     comm,
     mesh,
-    jnp.dtype(factor_dtype),
+    jnp.dtype(settings.factor_dtype),
     damping_form,
   )

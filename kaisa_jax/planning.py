@@ -170,15 +170,7 @@ def _option(
 ) -> FractionOption:
   """Memory and projected time per device with ``W = w`` grad workers on ``n_devices``."""
   comm = distribution.Collectives("pmap", n_devices // w, w, PLANNED_AXIS)
-  plan = make_plan(
-    layers,
-    comm,
-    compute_method=settings.compute_method,
-    inv_update_steps=settings.inv_update_steps,
-    max_cost_ratio=settings.max_cost_ratio,
-    assignment_cost=settings.assignment_cost,
-    factor_dtype=settings.factor_dtype,
-  )
+  plan = make_plan(layers, comm, settings)
   layout = plan.layout
   itemsize = settings.factor_dtype.itemsize
   dec_itemsize = np.dtype(preconditioning.decomposition_dtype(settings.factor_dtype)).itemsize
@@ -254,6 +246,17 @@ def plan_fractions(
     assignment_cost=assignment_cost,
     factor_dtype=factor_dtype,
   )
+  return fraction_options(layers, n_devices, cluster, memory_budget, settings)
+
+
+def fraction_options(
+  layers: Layers,
+  n_devices: int,
+  cluster: Cluster,
+  memory_budget: float | None,
+  settings: Settings,
+) -> FractionPlan:
+  """`plan_fractions` with its arguments checked, the settings by `kaisa_jax.config.check_settings`."""
   options = [
     _option(layers, cluster, memory_budget, settings, n_devices, w)
     for w in range(1, n_devices + 1)

@@ -49,7 +49,7 @@ from kaisa_jax.capture import EXCLUDED, Curvature, Layers, Skipped
 from kaisa_jax.chain_order import check_chain_order
 from kaisa_jax.cluster import cluster_of
 from kaisa_jax.plan import Plan, collectives_for, make_plan
-from kaisa_jax.planning import plan_fractions
+from kaisa_jax.planning import fraction_options
 from kaisa_jax.state import (
   KFACState,
   initial_state,
@@ -254,17 +254,7 @@ def _make_plan(layers: Layers, config: config_lib.Config) -> Plan:
   if fraction == distribution.AUTO:
     fraction = _auto_fraction(layers, config)
   comm = collectives_for(fraction, config.mesh, config.axis_name, config.axis_size)
-  plan = make_plan(
-    layers,
-    comm,
-    config.mesh,
-    compute_method=settings.compute_method,
-    inv_update_steps=settings.inv_update_steps,
-    max_cost_ratio=settings.max_cost_ratio,
-    assignment_cost=settings.assignment_cost,
-    factor_dtype=settings.factor_dtype,
-    damping_form=config.damping_form,
-  )
+  plan = make_plan(layers, comm, settings, config.mesh, config.damping_form)
   unsupported = [k for k in layers.skipped if k.reason != EXCLUDED]
   if unsupported:
     warnings.warn(_skipped_warning(unsupported), stacklevel=3)
@@ -303,19 +293,7 @@ def _auto_fraction(layers: Layers, config: config_lib.Config) -> Any:
     return "comm_opt"  # one device: nothing to choose
   n = jax.device_count() if config.axis_size is None else config.axis_size
   cluster = cluster_of(jax.devices()[0])
-  settings = config.settings
-  choice = plan_fractions(
-    layers,
-    n,
-    cluster,
-    factor_update_steps=settings.factor_update_steps,
-    inv_update_steps=settings.inv_update_steps,
-    compute_method=settings.compute_method,
-    max_cost_ratio=settings.max_cost_ratio,
-    assignment_cost=settings.assignment_cost,
-    factor_dtype=settings.factor_dtype,
-  )
-  return choice.recommended
+  return fraction_options(layers, n, cluster, None, config.settings).recommended
 
 
 # ------------------------------------------------------------------ the step
