@@ -7,6 +7,8 @@ under ``[tool.mutation]``. Examples, from the repository root:
     python -m mutation --module preconditioning --all    # one module, every mutant
     python -m mutation --module preconditioning --lines 140-180 --max-mutants 10
     python -m mutation --module preconditioning --list   # the mutants, without running them
+    python -m mutation --again mutation/reports/all.json  # its survivors again, with today's tests
+    python -m mutation --publish mutation/reports/all.json  # the docs' summary of that run
 """
 
 from __future__ import annotations
@@ -54,6 +56,19 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--list", action="store_true", help="list the selected mutants and stop")
   p.add_argument(
     "--render", type=pathlib.Path, help="write a run's report again from its .json (new triage)"
+  )
+  p.add_argument(
+    "--again",
+    type=pathlib.Path,
+    metavar="JSON",
+    help="run a saved run's survivors and timeouts again with the current tests; updates its report",
+  )
+  p.add_argument(
+    "--publish",
+    type=pathlib.Path,
+    nargs="+",
+    metavar="JSON",
+    help="write these runs' summary to benchmarks/results/mutation.json and to docs/development.md",
   )
   return p
 
@@ -145,10 +160,14 @@ def main(argv: list[str] | None = None) -> int:
     text = report_lib.render(runs, report_lib.load_triage(TRIAGE), header, complete)
     (args.report or args.render.with_suffix(".md")).write_text(text)
     return 0
+  if args.publish:
+    return _publish(args.publish)
   signal.signal(signal.SIGTERM, runner.raise_on_sigterm)
   for restored in runner.restore_backups(ROOT):
     print(f"restored {restored} from an interrupted run", file=sys.stderr)
   config = load_config(ROOT)
+  if args.again is not None:
+    return again(ROOT, args.again, args.report, config, args.workers)
   names = args.module or list(config["modules"])
   unknown = [n for n in names if n not in config["modules"]]
   if unknown:
@@ -187,6 +206,115 @@ def main(argv: list[str] | None = None) -> int:
     return 130
   write(complete=True)
   print(f"report: {report_path}")
+  return 0
+
+
+def current_mutant(saved: mutants_lib.Mutant, mutants: list) -> mutants_lib.Mutant | None:
+  """The mutant of today's source that makes the edit ``saved`` made: same function and lines.
+
+  The one of the same number if it matches, else the only match; None if there is none (the code
+  changed) or several.
+  """
+
+  def same(m):
+    return (m.function, m.before, m.after) == (saved.function, saved.before, saved.after)
+
+  if 0 < saved.index <= len(mutants) and same(mutants[saved.index - 1]):
+    return mutants[saved.index - 1]
+  matches = [m for m in mutants if same(m)]
+  return matches[0] if len(matches) == 1 else None
+
+
+def again(
+  root: pathlib.Path,
+  path: pathlib.Path,
+  report: pathlib.Path | None,
+  config: dict,
+  workers: int | None = None,
+) -> int:
+  """Runs the survivors and timeouts of the saved run ``path`` again; rewrites its report.
+
+  Args:
+    root: the repository root (module and test paths are relative to it).
+    path: the run's ``.json``.
+    report: where the Markdown goes (default: next to ``path``).
+    config: ``[tool.mutation]``; the modules' current tests are run.
+    workers: pytest-xdist workers (default: configured).
+  """
+  runs, header, complete = report_lib.from_json(path.read_text())
+  workers = config.get("workers", 0) if workers is None else workers
+  report = report or path.with_suffix(".md")
+  triage = report_lib.load_triage(root / "mutation" / "triage.toml")
+  again = {"count": 0}
+  started = time.time()
+
+  def write(done: bool) -> None:
+    commit = _git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = _git("status", "--porcelain", "--", "kaisa_jax", "tests")
+    commit += " with uncommitted changes to kaisa_jax/ or tests/" if dirty else ""
+    when = datetime.datetime.fromtimestamp(started).strftime("%Y-%m-%d %H:%M")
+    notes = {
+      **header,
+      "Survivors run again": f"{again['count']} mutants, {when}, commit {commit},"
+      f" `python -m mutation --again {path}`" + ("" if done else " (still going)"),
+    }
+    report.write_text(report_lib.render(runs, triage, notes, complete))
+    report.with_suffix(".json").write_text(report_lib.to_json(runs, notes, complete))
+
+  for run in runs:
+    redo = [i for i, r in enumerate(run.results) if r.outcome in (runner.SURVIVED, runner.TIMEOUT)]
+    if not redo:
+      continue
+    module = config["modules"][run.name]
+    source = (root / run.path).read_text(encoding="utf-8")
+    today = mutants_lib.generate(source, run.path)
+    run.tests = [t for t in module["tests"] if (root / t.split("::")[0]).exists()]
+    run.absent = [t for t in module["tests"] if t not in run.tests]
+    command = runner.TestCommand(root, run.tests, config["pytest_args"], workers, sys.executable)
+    print(f"{run.name}: baseline: {len(run.tests)} test entries ...", flush=True)
+    outcome, seconds, _, detail = runner.run_tests(command, timeout=3600)
+    if outcome != runner.SURVIVED:
+      raise SystemExit(f"{run.name}: the unmutated tests do not pass ({outcome}): {detail}")
+    run.baseline = seconds
+    run.timeout = config["timeout_factor"] * seconds + config["timeout_margin"]
+    pairs = [(i, current_mutant(run.results[i].mutant, today)) for i in redo]
+    for i, m in pairs:
+      if m is None:
+        run.results[i] = runner.Result(
+          run.results[i].mutant, runner.ERROR, 0.0, None, "the code changed: no such mutant now"
+        )
+    slots = {m.index: i for i, m in pairs if m is not None}
+
+    def progress(result: runner.Result, run=run, slots=slots) -> None:
+      run.results[slots[result.mutant.index]] = result
+      again["count"] += 1
+      m = result.mutant
+      print(f"  #{m.index:<4d} {m.path}:{m.line:<5d} {result.outcome:8s} {result.seconds:5.0f} s")
+      write(done=False)
+
+    mutants = [m for _, m in pairs if m is not None]
+    runner.run_mutants(root / run.path, mutants, command, run.timeout, on_result=progress)
+  write(done=True)
+  print(f"report: {report}")
+  return 0
+
+
+def _publish(paths: list[pathlib.Path]) -> int:
+  """Writes the summary of the runs ``paths`` (the latest run of each module wins) and its block."""
+  from benchmarks import generated
+
+  modules = {}
+  for path in paths:
+    runs, header, complete = report_lib.from_json(path.read_text())
+    if not complete:
+      raise SystemExit(f"{path}: the run did not complete; finish it before publishing")
+    for run in runs:
+      modules[run.name] = (run, header)
+  order = list(load_config(ROOT)["modules"])
+  runs = [modules[name] for name in sorted(modules, key=order.index)]
+  data = report_lib.published(runs, report_lib.load_triage(TRIAGE))
+  for written in generated.publish("mutation.json", data):
+    print(f"wrote {written.relative_to(ROOT)}")
   return 0
 
 

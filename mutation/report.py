@@ -211,3 +211,75 @@ def from_json(text: str) -> tuple[list[ModuleRun], dict[str, str], bool]:
     results = [Result(**{**r, "mutant": Mutant(**r["mutant"])}) for r in raw.pop("results")]
     runs.append(ModuleRun(**raw, results=results))
   return runs, data["header"], data["complete"]
+
+
+def published(runs: list[tuple[ModuleRun, dict[str, str]]], triage: list[dict]) -> dict:
+  """The summary the docs show: per module, its run's counts and every survivor with its verdict.
+
+  Args:
+    runs: each module's run with the header of the run it came from, in the configured order.
+    triage: the triage entries (`load_triage`), whose verdicts are copied in.
+  """
+  modules = []
+  for run, header in runs:
+    c = counts(run, triage)
+    survivors = []
+    for r in run.results:
+      if r.outcome in (SURVIVED, TIMEOUT):
+        entry = verdict(triage, run.name, r) if r.outcome == SURVIVED else None
+        m = r.mutant
+        survivors.append(
+          {
+            "where": f"{m.path}:{m.line} (`{m.function}`)",
+            "mutation": m.description,
+            "after": m.after,
+            "outcome": r.outcome,
+            "verdict": entry["verdict"] if entry else "not triaged",
+            "reason": entry["reason"] if entry else "",
+          }
+        )
+    modules.append(
+      {
+        "module": run.name,
+        "path": run.path,
+        "mutants": run.total,
+        "run": len(run.results),
+        "selection": run.selection,
+        "tests": len(run.tests),
+        **{k: c[k] for k in (KILLED, SURVIVED, TIMEOUT, ERROR, EQUIVALENT)},
+        "rate": c["rate"],
+        "survivors": survivors,
+        "run_from": {k: header[k] for k in header if k != "pytest"},
+      }
+    )
+  provenance = "python -m mutation, the reports under mutation/reports/ (`--publish`)"
+  return {"provenance": provenance, "modules": modules}
+
+
+def summary_markdown(data: dict) -> str:
+  """The block ``mutation`` of docs/development.md: kill rates, then every survivor and why."""
+  lines = [
+    "| module | mutants run | killed | survived | timeout | equivalent | kill rate | run |",
+    "|---|---:|---:|---:|---:|---:|---:|---|",
+  ]
+  for m in data["modules"]:
+    rate = "n/a" if m["rate"] is None else f"{100 * m['rate']:.0f} %"
+    frm = m["run_from"]
+    run = f"{frm['Started']}, commit {frm['Commit']}"
+    if "Survivors run again" in frm:
+      run += "; survivors again: " + frm["Survivors run again"]
+    lines.append(
+      f"| `{m['module']}` | {m['run']} of {m['mutants']} | {m[KILLED]} | {m[SURVIVED]} |"
+      f" {m[TIMEOUT]} | {m[EQUIVALENT]} | {rate} | {_cell(run)} |"
+    )
+  lines += ["", "Every survivor and timeout, with its verdict:", ""]
+  lines += ["| module | where | mutation | mutated line | verdict |", "|---|---|---|---|---|"]
+  for m in data["modules"]:
+    for s in m["survivors"]:
+      outcome = "" if s["outcome"] == SURVIVED else f" ({s['outcome']})"
+      reason = f"**{s['verdict']}**{outcome}" + (f": {_cell(s['reason'])}" if s["reason"] else "")
+      lines.append(
+        f"| `{m['module']}` | {_cell(s['where'])} | {_cell(s['mutation'])} | {_code(s['after'])}"
+        f" | {reason} |"
+      )
+  return "\n".join(lines) + "\n"

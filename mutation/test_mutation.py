@@ -309,6 +309,71 @@ def test_report_counts_rates_and_round_trips(project):
   assert "not triaged" in untriaged and "**Incomplete**" in untriaged
 
 
+def _saved_run(project: pathlib.Path) -> pathlib.Path:
+  """A saved run of calc.py: ``add``'s mutant killed, ``untested``'s survived."""
+  mutants = generate(PROJECT["calc.py"], "calc.py")
+  run = report.ModuleRun("calc", "calc.py", ["test_calc.py"], [], len(mutants), "all", 2, 1.0, 9.0)
+  run.results = [
+    runner.Result(_pick(mutants, 2, "`+` -> `-`"), runner.KILLED, 1.0, 1, "FAILED test_add"),
+    runner.Result(_pick(mutants, 13, "`*` -> `/`"), runner.SURVIVED, 1.0, 0),
+  ]
+  path = project / "run.json"
+  header = {"Command": "`x`", "Commit": "abc1234", "Started": "2026-11-26 12:00"}
+  path.write_text(report.to_json([run], header, True))
+  return path
+
+
+def test_again_runs_only_the_survivors_with_the_current_tests(project):
+  from mutation.__main__ import again
+
+  saved = _saved_run(project)
+  module = project / "calc.py"
+  module.write_text("# a line more: the mutants move down\n" + PROJECT["calc.py"])
+  (project / "test_calc.py").write_text(
+    PROJECT["test_calc.py"] + "\n\ndef test_untested():\n  assert calc.untested(3) == 6\n"
+  )
+  config = {
+    "timeout_factor": 2.0,
+    "timeout_margin": 30.0,
+    "pytest_args": ["-x", "-q", "-p", "no:cacheprovider"],
+  }
+  config["modules"] = {"calc": {"path": "calc.py", "tests": ["test_calc.py"]}}
+  assert again(project, saved, None, config, workers=0) == 0
+  (run,), header, complete = report.from_json(saved.read_text())
+  assert [r.outcome for r in run.results] == [runner.KILLED, runner.KILLED]
+  assert run.results[0].detail == "FAILED test_add"  # not run again
+  assert "test_untested" in run.results[1].detail and run.results[1].mutant.line == 14
+  assert "Survivors run again" in header and complete
+  assert "| calc | 2 of " in (project / "run.md").read_text()
+
+
+def test_a_survivor_whose_code_changed_is_an_error_when_run_again(project):
+  from mutation.__main__ import again
+
+  saved = _saved_run(project)
+  (project / "calc.py").write_text(PROJECT["calc.py"].replace("x * 2", "x + x"))
+  config = {"timeout_factor": 2.0, "timeout_margin": 30.0, "pytest_args": ["-q"]}
+  config["modules"] = {"calc": {"path": "calc.py", "tests": ["test_calc.py"]}}
+  again(project, saved, None, config, workers=0)
+  (run,), _, _ = report.from_json(saved.read_text())
+  assert run.results[1].outcome == runner.ERROR and "code changed" in run.results[1].detail
+
+
+def test_the_published_summary_gives_rates_and_verdicts(project):
+  runs, header, _ = report.from_json(_saved_run(project).read_text())
+  loop = _pick(generate(PROJECT["calc.py"], "calc.py"), 8, "`+=` -> `-=`")
+  runs[0].results.append(runner.Result(loop, runner.TIMEOUT, 9.0, None))
+  survivor = runs[0].results[1].mutant
+  entry = {"module": "calc", "function": "untested", "before": survivor.before}
+  triage = [{**entry, "after": survivor.after, "verdict": "gap", "reason": "no test calls it"}]
+  data = report.published([(runs[0], header)], triage)
+  (m,) = data["modules"]
+  assert (m["killed"], m["survived"], m["timeout"], m["rate"]) == (1, 1, 1, 1 / 3)
+  text = report.summary_markdown(data)
+  assert "| `calc` | 3 of " in text and "| 33 % | 2026-11-26 12:00, commit abc1234 |" in text
+  assert "**gap**: no test calls it" in text and "**not triaged** (timeout)" in text
+
+
 def test_the_configured_modules_and_tests_exist():
   config = __import__("mutation.__main__", fromlist=["load_config"]).load_config(ROOT)
   optional = {"tests/test_escaped_math.py", "tests/test_step_timing.py"}
