@@ -120,3 +120,17 @@ def test_a_member_finite_in_part_only_is_retried():
 def test_a_member_finite_in_part_only_counts_as_not_finite():
   x = jnp.asarray([[1.0, 2.0, 3.0], [1.0, jnp.nan, 3.0], [jnp.inf, jnp.nan, jnp.nan]])
   np.testing.assert_array_equal(preconditioning.finite_per_member(x), [True, False, False])
+
+
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_bfloat16_factors_are_decomposed_in_float32(method):
+  """``factor_dtype="bfloat16"``: the decomposition is that of the same factor in float32."""
+  rng = np.random.default_rng(3)
+  stack = jnp.asarray(np.stack([_spd(rng, 6, 9) for _ in range(2)])[:, None], jnp.bfloat16)
+  got = preconditioning.decompose(stack, method, False, 0.1)
+  want = preconditioning.decompose(stack.astype(jnp.float32), method, False, 0.1)
+  for x, y in zip(got, want, strict=True):
+    assert (x is None) == (y is None)
+    if x is not None:
+      assert x.dtype == jnp.float32
+      np.testing.assert_array_equal(x, y)
