@@ -3,6 +3,7 @@
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -128,3 +129,19 @@ def test_chained_update_still_requires_curvature():
   _, grads, _ = GRAD_FN(PARAMS, X)
   with pytest.raises(ValueError, match="needs the curvature"):
     tx.update(grads, state, PARAMS)
+
+
+def test_concrete_scalar_arrays_count_as_the_numbers_they_hold():
+  """``optax.inject_hyperparams`` hands numbers over as 0-d arrays: the static ones act as numbers."""
+  as_numbers = dict(inv_update_steps=3, max_cost_ratio=2.0)
+  as_arrays = {k: jnp.asarray(v) for k, v in as_numbers.items()}
+  _, grads, curvature = GRAD_FN(PARAMS, X)
+
+  def four_steps(hyperparameters):
+    tx = kaisa_jax.kfac(LAYERS, kl_clip=None, **hyperparameters)
+    state = tx.init(PARAMS)
+    for _ in range(4):
+      updates, state = tx.update(grads, state, PARAMS, curvature=curvature)
+    return updates, state
+
+  jax.tree.map(np.testing.assert_array_equal, four_steps(as_numbers), four_steps(as_arrays))
