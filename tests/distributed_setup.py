@@ -76,7 +76,18 @@ class Deep(nn.Module):
     return nn.Dense(5)(x)
 
 
-MODELS = {"mlp": MLP(), "cnn": CNN(), "scanned": ScannedMLP(), "deep": Deep()}
+class Tower(nn.Module):
+  """Six equal hidden layers, one stack: on several devices each owns some of its members."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.tanh(nn.Dense(16)(x.reshape(x.shape[0], -1)))
+    for _ in range(6):
+      x = nn.tanh(nn.Dense(16)(x))
+    return nn.Dense(5)(x)
+
+
+MODELS = {"mlp": MLP(), "cnn": CNN(), "scanned": ScannedMLP(), "deep": Deep(), "tower": Tower()}
 
 
 def batches(steps: int) -> tuple[np.ndarray, np.ndarray]:

@@ -13,6 +13,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import dense_stack
+from distributed_setup import relative_error, run
 
 import kaisa_jax
 from kaisa_jax import assignment, cost, cpu_loop, preconditioning
@@ -126,12 +127,14 @@ def test_the_cholesky_retry_is_decided_per_member():
 
 
 class Tower(nn.Module):
-  """An input layer, six equal hidden layers, one of them applied to twice the rows, a head."""
+  """An input layer, ``hidden`` equal hidden layers (the fourth applied to twice the rows), a head."""
+
+  hidden: int = 6
 
   @nn.compact
   def __call__(self, x):
     h = nn.tanh(nn.Dense(16)(x))
-    for i in range(6):
+    for i in range(self.hidden):
       if i == 3:  # same layer description, inputs of another shape: computed one by one
         pair = jnp.stack([h, -h], axis=1)
         h = nn.tanh(nn.Dense(16)(pair)).mean(axis=1)
@@ -140,11 +143,11 @@ class Tower(nn.Module):
     return nn.Dense(4)(h)
 
 
-def _train(monkeypatch, apart: bool, compute_method: str, kl_clip: float | None):
+def _train(monkeypatch, apart: bool, compute_method: str, kl_clip: float | None, hidden: int = 6):
   """Four K-FAC+SGD steps; with ``apart`` every layer is its own stack."""
   if apart:
     monkeypatch.setattr(assignment, "stack_keys", lambda layers: tuple(range(len(layers))))
-  model = Tower()
+  model = Tower(hidden)
   x = jax.random.normal(jax.random.key(0), (32, 10))
   y = jax.random.normal(jax.random.key(1), (32, 4))
   params = model.init(jax.random.key(2), x)
@@ -172,23 +175,26 @@ def _train(monkeypatch, apart: bool, compute_method: str, kl_clip: float | None)
   return kfac, params, kaisa_jax.layer_factors(kfac.plan, state[0])
 
 
-@pytest.mark.parametrize(("method", "loop_from"), [("eigen", 64), ("inverse", 64), ("eigen", 2)])
-def test_stacked_layers_train_as_layers_computed_one_by_one(monkeypatch, method, loop_from):
+@pytest.mark.parametrize(
+  ("method", "loop_from", "hidden"),
+  [("eigen", 64, 6), ("inverse", 64, 6), ("eigen", 2, 6), ("eigen", 64, 2)],
+)
+def test_stacked_layers_train_as_layers_computed_one_by_one(monkeypatch, method, loop_from, hidden):
   """Without the KL clip, bit for bit: a batch computes each member as it would alone (on
   the CPU with ``loop_from=2`` the six hidden layers are preconditioned in a loop)."""
   monkeypatch.setattr(cpu_loop, "LOOP_FROM", loop_from)
-  kfac, params, factors = _train(monkeypatch, False, method, kl_clip=None)
+  kfac, params, factors = _train(monkeypatch, False, method, kl_clip=None, hidden=hidden)
   stacks = kfac.plan.layout.all_stacks()
-  assert sorted(len(s) for s in stacks) == [1, 1, 6]  # input layer, head, the six hidden
+  assert sorted(len(s) for s in stacks) == [1, 1, hidden]  # input layer, head, the hidden
   with monkeypatch.context() as m:
-    apart, ref_params, ref_factors = _train(m, True, method, kl_clip=None)
-  assert len(apart.plan.layout.all_stacks()) == 8
+    apart, ref_params, ref_factors = _train(m, True, method, kl_clip=None, hidden=hidden)
+  assert len(apart.plan.layout.all_stacks()) == hidden + 2
   for name, (a, g) in ref_factors.items():
     np.testing.assert_array_equal(factors[name].a, a, err_msg=name)
     np.testing.assert_array_equal(factors[name].g, g, err_msg=name)
   for p, q in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
     np.testing.assert_array_equal(p, q)
-  initial = Tower().init(jax.random.key(2), jnp.zeros((1, 10)))
+  initial = Tower(hidden).init(jax.random.key(2), jnp.zeros((1, 10)))
   moved = [float(jnp.abs(p - q).max()) for p, q in zip(*map(jax.tree.leaves, (params, initial)))]
   assert max(moved) > 1e-2
 
@@ -263,3 +269,15 @@ def test_a_state_with_other_stacks_raises():
   other, other_params, _ = _deep(4)
   with pytest.raises(ValueError, match="4 stack offsets where this kfac's plan needs 16"):
     step(params, other.init(other_params))
+
+
+@pytest.mark.parametrize("fraction", ["1/4", "1/2"])
+def test_a_stack_split_over_devices_preconditions_as_on_one_device(fraction):
+  """Each device restacks the members it owns out of the whole stack (`stacking.select`)."""
+  update, _, kfac = run("tower", "shard_map", 4, fraction, 1, chained=False)
+  layout = kfac.plan.layout
+  (whole,) = [s for s in layout.all_stacks() if len(s) == 6]
+  owned = [s for r in range(layout.rows) for c in range(layout.cols) for s in layout.stacks(r, c)]
+  assert any(0 < len(s) < 6 and set(s) < set(whole) for s in owned)  # the stack is split
+  reference, _, _ = run("tower", "single", 1, "1", 1, chained=False)
+  assert relative_error(update, reference) <= 1e-5
