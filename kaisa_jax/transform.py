@@ -282,12 +282,21 @@ def _auto_fraction(layers: Layers, config: config_lib.Config) -> Any:
   A `fractions.Fraction`, or ``"comm_opt"`` on one device (nothing to choose).
 
   The cluster is the preset for the first device's kind
-  (`kaisa_jax.cluster.cluster_of`), with no memory budget.
+  (`kaisa_jax.cluster.cluster_of`), with no memory budget. The plan must be
+  the same whenever kfac is built, so the factor cadence it weighs must be
+  concrete: not an array, which `optax.inject_hyperparams` traces in update.
   """
   if config.mesh is not None:
     raise ValueError(
       "grad_worker_fraction='auto' cannot change a mesh's shape: build the mesh with "
       "kaisa_jax.make_mesh(kaisa_jax.plan_fractions(layers, n_devices, cluster).recommended)"
+    )
+  if isinstance(config.factor_update_steps, jax.Array):
+    raise ValueError(
+      "grad_worker_fraction='auto' plans with factor_update_steps, which is an array here: "
+      "optax.inject_hyperparams makes it one, and traces it in update, where the plan could "
+      "then differ from init's. List it in static_args, e.g. "
+      f"static_args={(*hp.STATIC, 'factor_update_steps')!r}, or give a fraction"
     )
   if config.axis_name is None:
     return "comm_opt"  # one device: nothing to choose

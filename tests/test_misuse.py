@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import kaisa_jax
-from kaisa_jax import cost
+from kaisa_jax import cost, hyperparameters
 
 KFAC = dict(factor_update_steps=1, inv_update_steps=1, max_cost_ratio=None)
 
@@ -268,3 +268,16 @@ def test_plan_prints_the_cost_ratio_the_rule_used():
   assert abs(whole - local) > 0.05
   line = str(tx.plan).splitlines()[1]
   assert f"{whole:.2f}x" in line and f"{local:.2f}x" not in line
+
+
+def test_auto_fraction_under_inject_hyperparams_needs_a_static_factor_cadence():
+  """The planner weighs the factor cadence: a traced one could give update another plan than init."""
+  static = hyperparameters.STATIC
+  kwargs = dict(axis_name="batch", grad_worker_fraction="auto", factor_update_steps=10, lr=0.1)
+  injected = optax.inject_hyperparams(kaisa_jax.kfac, static_args=static)(LAYERS, **kwargs)
+  with pytest.raises(ValueError, match=r"factor_update_steps.*static_args=.*'factor_update_steps'"):
+    injected.init(PARAMS)
+  static = (*static, "factor_update_steps")
+  injected = optax.inject_hyperparams(kaisa_jax.kfac, static_args=static)(LAYERS, **kwargs)
+  with pytest.raises(ValueError, match="no cluster preset for device kind 'cpu'"):  # planned
+    injected.init(PARAMS)
