@@ -61,7 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     "--again",
     type=pathlib.Path,
     metavar="JSON",
-    help="run a saved run's survivors and timeouts again with the current tests; updates its report",
+    help="run a saved run's survivors (but those triaged equivalent) and timeouts again with the"
+    " current tests; updates its report",
   )
   p.add_argument(
     "--publish",
@@ -234,6 +235,8 @@ def again(
 ) -> int:
   """Runs the survivors and timeouts of the saved run ``path`` again; rewrites its report.
 
+  Survivors triaged equivalent are not run: no test can kill them.
+
   Args:
     root: the repository root (module and test paths are relative to it).
     path: the run's ``.json``.
@@ -262,7 +265,15 @@ def again(
     report.with_suffix(".json").write_text(report_lib.to_json(runs, notes, complete))
 
   for run in runs:
-    redo = [i for i, r in enumerate(run.results) if r.outcome in (runner.SURVIVED, runner.TIMEOUT)]
+    redo = [
+      i
+      for i, r in enumerate(run.results)
+      if r.outcome == runner.TIMEOUT
+      or (
+        r.outcome == runner.SURVIVED
+        and (report_lib.verdict(triage, run.name, r) or {}).get("verdict") != report_lib.EQUIVALENT
+      )
+    ]
     if not redo:
       continue
     module = config["modules"][run.name]

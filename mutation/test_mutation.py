@@ -338,6 +338,15 @@ def test_again_runs_only_the_survivors_with_the_current_tests(project):
     "pytest_args": ["-x", "-q", "-p", "no:cacheprovider"],
   }
   config["modules"] = {"calc": {"path": "calc.py", "tests": ["test_calc.py"]}}
+  (project / "mutation").mkdir()
+  survivor = report.from_json(saved.read_text())[0][0].results[1].mutant
+  (project / "mutation" / "triage.toml").write_text(
+    f'[[survivor]]\nmodule = "calc"\nfunction = "untested"\nbefore = "{survivor.before}"\n'
+    f'after = "{survivor.after}"\nverdict = "equivalent"\nreason = "x"\n'
+  )
+  again(project, saved, None, config, workers=0)
+  assert report.from_json(saved.read_text())[0][0].results[1].outcome == runner.SURVIVED  # not run
+  (project / "mutation" / "triage.toml").unlink()
   assert again(project, saved, None, config, workers=0) == 0
   (run,), header, complete = report.from_json(saved.read_text())
   assert [r.outcome for r in run.results] == [runner.KILLED, runner.KILLED]
