@@ -73,6 +73,14 @@ def test_to_portable_refuses_a_state_of_another_model():
   assert "Pass to_portable the kfac the state was made with" in message
 
 
+def test_curvature_statistics_refuses_a_state_of_another_model():
+  small, _ = _fresh(SMALL, damping=1e-2)
+  _, state = _fresh(WIDE)
+  with pytest.raises(ValueError, match="not made by this kfac") as e:
+    kaisa_jax.curvature_statistics(small, state)
+  assert "Pass curvature_statistics the kfac the state was made with" in str(e.value)
+
+
 def test_to_portable_refuses_a_state_of_other_devices():
   mesh = kaisa_jax.make_mesh(0.5, jax.devices()[:8])
   single, single_state = _fresh(SMALL)
