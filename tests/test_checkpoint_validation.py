@@ -94,6 +94,14 @@ def test_to_portable_refuses_a_state_of_other_devices():
     kaisa_jax.to_portable(single, mesh_state)
 
 
+def test_to_portable_refuses_a_state_of_as_many_groups_but_more_grad_workers():
+  """``(1, 2, F2)`` for a ``(1, 4, F4)`` kfac: the devices differ, not only the buffer sizes."""
+  _, two = _fresh(SMALL, mesh=kaisa_jax.make_mesh(1.0, jax.devices()[:2]))
+  four = _kfac(SMALL, mesh=kaisa_jax.make_mesh(1.0, jax.devices()[:4]))
+  with pytest.raises(ValueError, match=r"factors \(1, 2, \d+\) where this kfac makes \(1, 4, "):
+    kaisa_jax.to_portable(four, two)
+
+
 def test_to_portable_refuses_a_pmapped_state_of_another_device_count():
   kfac8, state = _fresh(SMALL, axis_name="batch", axis_size=8)
   kfac4 = _kfac(SMALL, axis_name="batch", axis_size=4)
