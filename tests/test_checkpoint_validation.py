@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from distributed_setup import build
 
 import kaisa_jax
 from kaisa_jax import preconditioning
@@ -171,13 +172,21 @@ def test_restoring_another_width_names_the_layer_and_not_the_treatment(tmp_path)
   assert "diagonal" not in message
 
 
-def test_a_side_turned_diagonal_still_blames_the_treatment():
-  dense = _portable(SMALL)
-  diagonal = _kfac(SMALL, max_cost_ratio=1e-6)
-  assert any(any(t.diagonal) for _, t in diagonal.plan.layers)
+@pytest.mark.parametrize("saved_diagonal", [False, True])
+def test_a_side_turned_diagonal_still_blames_the_treatment(saved_diagonal):
+  """Either way round, the message names the layer and the sides whose treatment changed."""
+  cheap = dict(max_cost_ratio=1e-6)
+  diagonal = _kfac(SMALL, **cheap)
+  spec, t = next((spec, t) for spec, t in diagonal.plan.layers if any(t.diagonal))
+  sides = [name for name, d in zip("AG", t.diagonal, strict=True) if d]
+  target, saved = (
+    (_kfac(SMALL), _portable(SMALL, **cheap)) if saved_diagonal else (diagonal, _portable(SMALL))
+  )
   with pytest.raises(ValueError, match="dense in one and diagonal in the other") as e:
-    kaisa_jax.from_portable(diagonal, dense)
+    kaisa_jax.from_portable(target, saved)
   message = str(e.value)
+  assert f"layer {spec.name!r}" in message
+  assert f"its {' and '.join(sides)} side{'s are' if len(sides) > 1 else ' is'} dense" in message
   assert "compute_method and max_cost_ratio" in message
   assert "another model" not in message
 
@@ -242,3 +251,15 @@ def test_a_checkpoint_without_kl_scale_is_refused_by_name_or_restored_partially(
   for field, a, b in zip(state._fields, state, back, strict=True):
     if field != "kl_scale":
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=field)
+
+
+@pytest.mark.parametrize("mode", ["pmap", "shard_map"])
+def test_a_trained_distributed_state_round_trips_through_portable(mode):
+  """Two steps on 4 devices at fraction 1/2, then ``from_portable(to_portable(state))``: the same."""
+  step, (params, state), inputs, kfac = build("mlp", mode, 4, "1/2", 2, chained=False)
+  for x, y in inputs:
+    params, state, _ = jax.block_until_ready(step(params, state, x, y))
+  restored = kaisa_jax.from_portable(kfac, kaisa_jax.to_portable(kfac, state))
+  assert jax.tree.structure(restored) == jax.tree.structure(state)
+  for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
