@@ -37,6 +37,8 @@ LAYERS = GRAD_FN.layers(PARAMS, X)
     (dict(factor_update_steps=-5), ValueError, "factor_update_steps must be at least 1"),
     (dict(factor_update_steps=2.5), TypeError, "factor_update_steps must be a positive int"),
     (dict(inv_update_steps=0), ValueError, "inv_update_steps must be at least 1"),
+    (dict(inv_update_steps=jnp.asarray([3])), TypeError, "inv_update_steps must be a positive int"),
+    (dict(max_cost_ratio=jnp.asarray([2.0])), TypeError, r"max_cost_ratio must be a scalar"),
     (
       dict(inv_update_steps=lambda s: 0.5),
       TypeError,
