@@ -52,6 +52,11 @@ class Block:
 
 
 BLOCKS: dict[str, Block] = {
+  "mutation": Block(
+    "mutation.json",
+    "mutation.report:summary_markdown",
+    "python -m mutation, then python -m mutation --publish mutation/reports/all.json",
+  ),
   "robustness": Block(
     "robustness.json", "benchmarks.robustness:report", "python benchmarks/robustness.py --page"
   ),

@@ -230,7 +230,7 @@ def published(runs: list[tuple[ModuleRun, dict[str, str]]], triage: list[dict]) 
         m = r.mutant
         survivors.append(
           {
-            "where": f"{m.path}:{m.line} (`{m.function}`)",
+            "where": f"#{m.index}: {m.path}:{m.line} (`{m.function}`)",
             "mutation": m.description,
             "after": m.after,
             "outcome": r.outcome,
