@@ -16,7 +16,7 @@ from conftest import dense_stack
 from distributed_setup import relative_error, run
 
 import kaisa_jax
-from kaisa_jax import assignment, cost, cpu_loop, preconditioning
+from kaisa_jax import assignment, cost, cpu_loop, preconditioning, stacking
 from kaisa_jax.layers import LayerSpec
 
 EIGEN = cost.Treatment("eigen")
@@ -281,3 +281,26 @@ def test_a_stack_split_over_devices_preconditions_as_on_one_device(fraction):
   assert any(0 < len(s) < 6 and set(s) < set(whole) for s in owned)  # the stack is split
   reference, _, _ = run("tower", "single", 1, "1", 1, chained=False)
   assert relative_error(update, reference) <= 1e-5
+
+
+def test_per_stack_is_one_batched_call_unless_the_inputs_differ_in_shape():
+  """Equal inputs: one ``dot_general`` for the stack; another shape among them: one per member."""
+  kfac, *_ = dense_stack(4)
+  members = kfac.plan.layout.all_stacks()[0]
+  assert len(members) == 4
+
+  def fn(spec, x):
+    return x @ x.T
+
+  def count(inputs):
+    out = stacking.per_stack(kfac.plan, members, fn, inputs)
+    for j, x in enumerate(inputs):
+      np.testing.assert_allclose(out[j], x @ x.T, rtol=1e-6)
+    text = str(jax.make_jaxpr(lambda xs: stacking.per_stack(kfac.plan, members, fn, xs))(inputs))
+    return text.count("dot_general")
+
+  rng = np.random.default_rng(0)
+  same = [jnp.asarray(rng.standard_normal((3, 5)), jnp.float32) for _ in members]
+  assert count(same) == 1
+  other = [*same[:3], jnp.asarray(rng.standard_normal((3, 7)), jnp.float32)]
+  assert count(other) == 4
