@@ -50,9 +50,7 @@ def static(name: str, value: Any) -> Any:
   return value
 
 
-def _check_scalar(
-  name: str, value: Any, low: float, high: float, open_low: bool, closed_high: bool
-) -> None:
+def _check_scalar(name: str, value: Any, low: float, high: float, open_low: bool) -> None:
   if isinstance(value, bool) or not isinstance(value, numbers.Real | np.ndarray | jax.Array):
     raise TypeError(f"{name} must be a real number or a schedule, got {value!r}")
   if np.ndim(value) != 0:
@@ -61,9 +59,8 @@ def _check_scalar(
     return
   v = float(value)
   above = low < v if open_low else low <= v
-  below = v <= high if closed_high else v < high
-  if not (above and below):
-    interval = f"{'(' if open_low else '['}{low}, {high}{']' if closed_high else ')'}"
+  if not (above and v < high):
+    interval = f"{'(' if open_low else '['}{low}, {high})"
     raise ValueError(f"{name} must lie in {interval}, got {v}")
 
 
@@ -74,17 +71,16 @@ def check_scalar(
   high: float = float("inf"),
   *,
   open_low: bool = False,
-  closed_high: bool = False,
 ) -> None:
-  """Checks a number or schedule against the interval ``[low, high)`` (or open/closed ends)."""
+  """Checks a number or schedule (at step 0) against ``[low, high)``, or ``(low, high)`` if ``open_low``."""
   if callable(value):
     try:
       at_zero = value(jnp.asarray(0, jnp.int32))
     except Exception as e:
       raise TypeError(f"schedule {name} failed at step 0: {e}") from e
-    _check_scalar(f"{name}(0)", at_zero, low, high, open_low, closed_high)
+    _check_scalar(f"{name}(0)", at_zero, low, high, open_low)
   else:
-    _check_scalar(name, value, low, high, open_low, closed_high)
+    _check_scalar(name, value, low, high, open_low)
 
 
 def check_steps(name: str, value: Any) -> int:
