@@ -163,11 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
   if args.publish:
     return _publish(args.publish)
-  signal.signal(signal.SIGTERM, runner.raise_on_sigterm)
-  for restored in runner.restore_backups(ROOT):
-    print(f"restored {restored} from an interrupted run", file=sys.stderr)
   config = load_config(ROOT)
   if args.again is not None:
+    _restore()
     return again(ROOT, args.again, args.report, config, args.workers)
   names = args.module or list(config["modules"])
   unknown = [n for n in names if n not in config["modules"]]
@@ -183,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  #{m.index:<4d} {m.path}:{m.line:<5d} {m.function:30s} {m.description}")
         print(f"        {m.before}\n     -> {m.after}")
     return 0
+  _restore()
   partial = any([args.lines, args.function, args.mutant, args.max_mutants])
   default = f"{names[0] if len(names) == 1 else 'all'}{'.partial' if partial else ''}.md"
   report_path = args.report or REPORTS / default
@@ -208,6 +207,13 @@ def main(argv: list[str] | None = None) -> int:
   write(complete=True)
   print(f"report: {report_path}")
   return 0
+
+
+def _restore() -> None:
+  """Before mutating: SIGTERM unwinds like Ctrl-C, and what a killed run left mutated is restored."""
+  signal.signal(signal.SIGTERM, runner.raise_on_sigterm)
+  for restored in runner.restore_backups(ROOT):
+    print(f"restored {restored} from an interrupted run", file=sys.stderr)
 
 
 def current_mutant(saved: mutants_lib.Mutant, mutants: list) -> mutants_lib.Mutant | None:

@@ -131,14 +131,32 @@ def _backup_path(root: pathlib.Path, module: pathlib.Path) -> pathlib.Path:
   return root / BACKUP_DIR / (urllib.parse.quote(relative, safe="") + ".orig")
 
 
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
 def restore_backups(root: pathlib.Path) -> list[pathlib.Path]:
-  """Writes back every module a killed run left mutated; returns the modules restored."""
+  """Writes back every module a killed run left mutated; returns the modules restored.
+
+  A backup whose run is still going (its process, named in the ``.pid`` file
+  beside it, is alive) is left alone: that run restores its module itself.
+  """
   restored = []
   for backup in sorted((root / BACKUP_DIR).glob("*.orig")):
+    owner = backup.with_suffix(".pid")
+    if owner.exists() and _alive(int(owner.read_text() or 0)):
+      continue
     module = root / urllib.parse.unquote(backup.name[: -len(".orig")])
     module.write_bytes(backup.read_bytes())
     _drop_bytecode(module)
     backup.unlink()
+    owner.unlink(missing_ok=True)
     restored.append(module)
   return restored
 
@@ -171,6 +189,7 @@ def run_mutants(
   backup = _backup_path(command.root, module)
   backup.parent.mkdir(parents=True, exist_ok=True)
   backup.write_bytes(original)
+  backup.with_suffix(".pid").write_text(str(os.getpid()))
   previous = signal.signal(signal.SIGTERM, raise_on_sigterm)
   results = []
   try:
@@ -188,6 +207,7 @@ def run_mutants(
     module.write_bytes(original)
     _drop_bytecode(module)
     backup.unlink(missing_ok=True)
+    backup.with_suffix(".pid").unlink(missing_ok=True)
     signal.signal(signal.SIGTERM, previous)
   return results
 

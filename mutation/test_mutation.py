@@ -7,6 +7,7 @@ package: nothing here mutates ``kaisa_jax/``.
 from __future__ import annotations
 
 import ast
+import os
 import pathlib
 import signal
 import subprocess
@@ -272,9 +273,16 @@ def test_a_killed_run_is_restored_from_its_backup_by_the_next(project):
   backup.parent.mkdir(parents=True)
   backup.write_bytes(original)
   module.write_text("mutated = True\n")
+  owner = backup.with_suffix(".pid")
+  owner.write_text(str(os.getpid()))  # its run is still going: left alone
+  assert runner.restore_backups(project) == []
+  assert module.read_text() == "mutated = True\n"
+  dead = subprocess.Popen([sys.executable, "-c", "pass"])
+  dead.wait()
+  owner.write_text(str(dead.pid))  # its run was killed
   assert runner.restore_backups(project) == [module]
   assert module.read_bytes() == original
-  assert not backup.exists()
+  assert not backup.exists() and not owner.exists()
 
 
 def test_report_counts_rates_and_round_trips(project):
