@@ -304,3 +304,24 @@ def test_per_stack_is_one_batched_call_unless_the_inputs_differ_in_shape():
   assert count(same) == 1
   other = [*same[:3], jnp.asarray(rng.standard_normal((3, 7)), jnp.float32)]
   assert count(other) == 4
+
+
+def test_a_member_whose_decomposition_fails_counts_alone_and_keeps_its_last(monkeypatch):
+  """Member 1 of a stack of four fails both factors: 2 failures, its last decompositions kept."""
+  kfac, params, step = _deep(4)
+  (members,) = kfac.plan.layout.all_stacks()
+  names = [kfac.plan.layers[i][0].name for i in members]
+  _, state = jax.jit(step)(params, kfac.init(params))  # step 0 decomposes
+  before = kaisa_jax.layer_decompositions(kfac.plan, state)
+  real = preconditioning.decompose
+
+  def member_one_fails(factor, *args):
+    return jax.tree.map(lambda v: v.at[1].set(jnp.nan), real(factor, *args))
+
+  monkeypatch.setattr(preconditioning, "decompose", member_one_fails)
+  broken = jax.jit(lambda p, s: step(p, s))  # a new function: traced with the failing decompose
+  _, state = broken(params, state._replace(refresh=jnp.asarray(True)))
+  assert int(state.failed_decompositions) == 2
+  after = kaisa_jax.layer_decompositions(kfac.plan, state)
+  jax.tree.map(np.testing.assert_array_equal, after[names[1]], before[names[1]])
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(after))
