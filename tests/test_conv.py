@@ -14,7 +14,7 @@ DAMPING = 0.03
 
 # (input shape, Conv kwargs). Together they cover 1-3 spatial dims, strides,
 # SAME / VALID / explicit / circular padding, kernel and input dilation, grouped
-# and depthwise convolutions, with and without bias.
+# and depthwise convolutions, with and without bias, and one image without a batch axis.
 CASES = {
   "2d-stride-same": ((2, 7, 6, 3), dict(features=4, kernel_size=(3, 3), strides=2, padding="SAME")),
   "2d-dilation-valid-groups": (
@@ -52,6 +52,7 @@ CASES = {
     dict(features=2, kernel_size=(3,), padding="CAUSAL", kernel_dilation=2),
   ),
   "2d-batch-dims": ((2, 3, 5, 5, 2), dict(features=3, kernel_size=(3, 3), padding=1)),
+  "2d-unbatched": ((6, 5, 2), dict(features=3, kernel_size=(3, 3), padding="SAME")),
 }
 
 
@@ -92,7 +93,8 @@ def test_conv_matches_explicit_patches_and_dense_solve(x64, case, method):
   out = jax.jit(conv.apply)(params, x)
   out_shape = out.shape
   target = jax.random.normal(kt, out_shape, jnp.float64)
-  batch = input_shape[0]
+  unbatched = len(input_shape) == len(conv.kernel_size) + 1
+  batch = 1 if unbatched else input_shape[0]
 
   def head(s):
     return jnp.sum(0.5 * (jnp.tanh(s) - target) ** 2) / batch
@@ -127,3 +129,32 @@ def test_conv_matches_explicit_patches_and_dense_solve(x64, case, method):
       expected = ref.two_sided_inverse(a_ref, g_ref, v[j], DAMPING)
     np.testing.assert_allclose(got[j], expected, rtol=1e-7, atol=1e-10)
   assert not np.allclose(got, v, rtol=1e-2)
+
+
+def test_an_image_without_a_batch_axis_is_one_example_under_reduce(x64):
+  """``weight_sharing="reduce"`` averages the patches of each example: here there is one."""
+  input_shape, kwargs = CASES["2d-unbatched"]
+  conv = nn.Conv(param_dtype=jnp.float64, **kwargs)
+  kx, kt, kp = jax.random.split(jax.random.key(4), 3)
+  x = jax.random.normal(kx, input_shape, jnp.float64)
+  params = conv.init(kp, x)
+  out = conv.apply(params, x)
+  target = jax.random.normal(kt, out.shape, jnp.float64)
+
+  def head(s):
+    return jnp.sum(0.5 * (jnp.tanh(s) - target) ** 2)
+
+  _, _, tx, state, _ = one_update(
+    lambda p, x: head(conv.apply(p, x)),
+    params,
+    x,
+    damping=DAMPING,
+    factor_dtype=jnp.float64,
+    weight_sharing="reduce",
+  )
+  (patches,) = _reference_patches(np.asarray(x), conv)
+  a = np.concatenate([patches, np.ones((patches.shape[0], 1))], axis=1).mean(axis=0)
+  g = np.asarray(jax.grad(head)(out)).reshape(-1, out.shape[-1]).sum(axis=0)
+  (factors,) = kaisa_jax.layer_factors(tx.plan, state).values()
+  np.testing.assert_allclose(factors.a, ref.input_factor(a[None]), rtol=1e-10, atol=1e-14)
+  np.testing.assert_allclose(factors.g, ref.output_factor(g[None], n=1), rtol=1e-10, atol=1e-14)
