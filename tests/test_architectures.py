@@ -223,6 +223,29 @@ def test_embedding_lookup_and_tied_attend_share_factors(x64):
   _check(tx, state, got, grads, "Embed_0", a_ref, g_ref, v)
 
 
+class Readout(nn.Module):
+  """A tied output layer alone: ``Embed.attend``."""
+
+  @nn.compact
+  def __call__(self, h):
+    return nn.Embed(VOCAB, FEATURES, param_dtype=F64).attend(h)
+
+
+def test_attend_on_one_query_without_a_batch_axis_is_one_example(x64):
+  """``attend(h)`` with ``h`` of shape ``(features,)``: the factors of the same query batched as one."""
+  h = jax.random.normal(jax.random.key(5), (FEATURES,), F64)
+  params = Readout().init(jax.random.key(6), h)
+
+  def factors(query):
+    *_, tx, state, _ = one_update(
+      lambda p, q: jnp.sum(jnp.sin(Readout().apply(p, q))), params, query, factor_dtype=F64
+    )
+    return kaisa_jax.layer_factors(tx.plan, state)
+
+  unbatched, batched = factors(h), factors(h[None])
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-12), unbatched, batched)
+
+
 # -------------------------------------------------------------------- custom layers
 
 
