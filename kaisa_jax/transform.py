@@ -291,6 +291,8 @@ def _auto_fraction(layers: Layers, config: config_lib.Config) -> Any:
       "grad_worker_fraction='auto' cannot change a mesh's shape: build the mesh with "
       "kaisa_jax.make_mesh(kaisa_jax.plan_fractions(layers, n_devices, cluster).recommended)"
     )
+  if config.axis_name is None:
+    return "comm_opt"  # one device: nothing to choose
   if isinstance(config.factor_update_steps, jax.Array):
     raise ValueError(
       "grad_worker_fraction='auto' plans with factor_update_steps, which is an array here: "
@@ -298,8 +300,6 @@ def _auto_fraction(layers: Layers, config: config_lib.Config) -> Any:
       "then differ from init's. List it in static_args, e.g. "
       f"static_args={(*hp.STATIC, 'factor_update_steps')!r}, or give a fraction"
     )
-  if config.axis_name is None:
-    return "comm_opt"  # one device: nothing to choose
   n = jax.device_count() if config.axis_size is None else config.axis_size
   cluster = cluster_of(jax.devices()[0])
   return fraction_options(layers, n, cluster, None, config.settings).recommended

@@ -281,3 +281,7 @@ def test_auto_fraction_under_inject_hyperparams_needs_a_static_factor_cadence():
   injected = optax.inject_hyperparams(kaisa_jax.kfac, static_args=static)(LAYERS, **kwargs)
   with pytest.raises(ValueError, match="no cluster preset for device kind 'cpu'"):  # planned
     injected.init(PARAMS)
+  one_device = {k: v for k, v in kwargs.items() if k != "axis_name"}  # nothing to plan
+  optax.inject_hyperparams(kaisa_jax.kfac, static_args=hyperparameters.STATIC)(
+    LAYERS, **one_device
+  ).init(PARAMS)
