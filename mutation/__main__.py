@@ -82,6 +82,12 @@ def _git(*args: str) -> str:
   return out.stdout.strip()
 
 
+def _present(root: pathlib.Path, tests: list[str]) -> tuple[list[str], list[str]]:
+  """``(present, absent)``: the test files or ids of ``tests`` whose file exists, and the others."""
+  present = [t for t in tests if (root / t.split("::")[0]).exists()]
+  return present, [t for t in tests if t not in present]
+
+
 def _plan(name: str, module: dict, args: argparse.Namespace) -> tuple[report_lib.ModuleRun, list]:
   """The module's run (no results yet) and the mutants selected for it."""
   path = module["path"]
@@ -102,21 +108,24 @@ def _plan(name: str, module: dict, args: argparse.Namespace) -> tuple[report_lib
   if cap is not None and cap < len(selected):
     words.append(f"{cap} of {len(selected)} spread evenly")
     selected = runner.spread(selected, cap)
-  tests = args.tests or module["tests"]
-  present = [t for t in tests if (ROOT / t.split("::")[0]).exists()]
-  absent = [t for t in tests if t not in present]
+  present, absent = _present(ROOT, args.tests or module["tests"])
   run = report_lib.ModuleRun(
     name, path, present, absent, total, "; ".join(words) or "all", len(selected), None, 0.0
   )
   return run, selected
 
 
-def _header(args_text: str, workers: int, pytest_args: list[str], started: float) -> dict:
+def _commit() -> str:
+  """The checked-out commit, and whether kaisa_jax/ or tests/ differ from it."""
   dirty = _git("status", "--porcelain", "--", "kaisa_jax", "tests")
   commit = _git("rev-parse", "--short", "HEAD") or "unknown"
+  return commit + (" with uncommitted changes to kaisa_jax/ or tests/" if dirty else "")
+
+
+def _header(args_text: str, workers: int, pytest_args: list[str], started: float) -> dict:
   return {
     "Command": f"`{('python -m mutation ' + args_text).strip()}`",
-    "Commit": commit + (" with uncommitted changes to kaisa_jax/ or tests/" if dirty else ""),
+    "Commit": _commit(),
     "Started": datetime.datetime.fromtimestamp(started).strftime("%Y-%m-%d %H:%M"),
     "Machine": f"{os.cpu_count()} cores, {platform.system()}, Python {platform.python_version()}",
     "pytest": f"`{shlex.join(pytest_args)} -n {workers}`",
@@ -127,16 +136,22 @@ def _header(args_text: str, workers: int, pytest_args: list[str], started: float
 _T0 = time.monotonic()
 
 
+def _baseline(run: report_lib.ModuleRun, command: runner.TestCommand, config: dict) -> None:
+  """Times the unmutated tests (they must pass) and sets the run's per-mutant limit from them."""
+  print(f"{run.name}: baseline: {len(run.tests)} test entries ...", flush=True)
+  outcome, seconds, _, detail = runner.run_tests(command, timeout=3600)
+  if outcome != runner.SURVIVED:
+    raise SystemExit(f"{run.name}: the unmutated tests do not pass ({outcome}): {detail}")
+  run.baseline = seconds
+  run.timeout = config["timeout_factor"] * seconds + config["timeout_margin"]
+
+
 def _run_module(run, selected, command, args, config, write) -> None:
   if not args.skip_baseline:
-    print(f"{run.name}: baseline: {len(run.tests)} test entries ...", flush=True)
-    outcome, seconds, _, detail = runner.run_tests(command, timeout=3600)
-    if outcome != runner.SURVIVED:
-      raise SystemExit(f"{run.name}: the unmutated tests do not pass ({outcome}): {detail}")
-    run.baseline = seconds
+    _baseline(run, command, config)
   elif args.timeout is None:
     raise SystemExit("--skip-baseline needs --timeout")
-  run.timeout = args.timeout or config["timeout_factor"] * run.baseline + config["timeout_margin"]
+  run.timeout = args.timeout or run.timeout
   print(f"{run.name}: {len(selected)} mutants, {run.timeout:.0f} s each at most", flush=True)
 
   def progress(result: runner.Result) -> None:
@@ -258,13 +273,10 @@ def again(
   started = time.time()
 
   def write(done: bool) -> None:
-    commit = _git("rev-parse", "--short", "HEAD") or "unknown"
-    dirty = _git("status", "--porcelain", "--", "kaisa_jax", "tests")
-    commit += " with uncommitted changes to kaisa_jax/ or tests/" if dirty else ""
     when = datetime.datetime.fromtimestamp(started).strftime("%Y-%m-%d %H:%M")
     notes = {
       **header,
-      "Survivors run again": f"{again['count']} mutants, {when}, commit {commit},"
+      "Survivors run again": f"{again['count']} mutants, {when}, commit {_commit()},"
       f" `python -m mutation --again {path}`" + ("" if done else " (still going)"),
     }
     report.write_text(report_lib.render(runs, triage, notes, complete))
@@ -285,15 +297,9 @@ def again(
     module = config["modules"][run.name]
     source = (root / run.path).read_text(encoding="utf-8")
     today = mutants_lib.generate(source, run.path)
-    run.tests = [t for t in module["tests"] if (root / t.split("::")[0]).exists()]
-    run.absent = [t for t in module["tests"] if t not in run.tests]
+    run.tests, run.absent = _present(root, module["tests"])
     command = runner.TestCommand(root, run.tests, config["pytest_args"], workers, sys.executable)
-    print(f"{run.name}: baseline: {len(run.tests)} test entries ...", flush=True)
-    outcome, seconds, _, detail = runner.run_tests(command, timeout=3600)
-    if outcome != runner.SURVIVED:
-      raise SystemExit(f"{run.name}: the unmutated tests do not pass ({outcome}): {detail}")
-    run.baseline = seconds
-    run.timeout = config["timeout_factor"] * seconds + config["timeout_margin"]
+    _baseline(run, command, config)
     pairs = [(i, current_mutant(run.results[i].mutant, today)) for i in redo]
     for i, m in pairs:
       if m is None:

@@ -331,6 +331,16 @@ def _saved_run(project: pathlib.Path) -> pathlib.Path:
   return path
 
 
+def _calc_config() -> dict:
+  """``[tool.mutation]`` for the throw-away project: calc.py against test_calc.py."""
+  return {
+    "timeout_factor": 2.0,
+    "timeout_margin": 30.0,
+    "pytest_args": ["-x", "-q", "-p", "no:cacheprovider"],
+    "modules": {"calc": {"path": "calc.py", "tests": ["test_calc.py"]}},
+  }
+
+
 def test_again_runs_only_the_survivors_with_the_current_tests(project):
   from mutation.__main__ import again
 
@@ -340,12 +350,7 @@ def test_again_runs_only_the_survivors_with_the_current_tests(project):
   (project / "test_calc.py").write_text(
     PROJECT["test_calc.py"] + "\n\ndef test_untested():\n  assert calc.untested(3) == 6\n"
   )
-  config = {
-    "timeout_factor": 2.0,
-    "timeout_margin": 30.0,
-    "pytest_args": ["-x", "-q", "-p", "no:cacheprovider"],
-  }
-  config["modules"] = {"calc": {"path": "calc.py", "tests": ["test_calc.py"]}}
+  config = _calc_config()
   (project / "mutation").mkdir()
   survivor = report.from_json(saved.read_text())[0][0].results[1].mutant
   (project / "mutation" / "triage.toml").write_text(
@@ -369,8 +374,7 @@ def test_a_survivor_whose_code_changed_is_an_error_when_run_again(project):
 
   saved = _saved_run(project)
   (project / "calc.py").write_text(PROJECT["calc.py"].replace("x * 2", "x + x"))
-  config = {"timeout_factor": 2.0, "timeout_margin": 30.0, "pytest_args": ["-q"]}
-  config["modules"] = {"calc": {"path": "calc.py", "tests": ["test_calc.py"]}}
+  config = _calc_config()
   again(project, saved, None, config, workers=0)
   (run,), _, _ = report.from_json(saved.read_text())
   assert run.results[1].outcome == runner.ERROR and "code changed" in run.results[1].detail
