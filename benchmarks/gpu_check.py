@@ -1,0 +1,224 @@
+"""K-FAC on ResNet-50 and BERT-Base at production shapes on one accelerator, in one command.
+
+For each model at a per-device batch of 32 (`benchmarks.production`), this prints and writes:
+
+* the environment (device kind, JAX, Flax and Optax versions) and the plan's size;
+* the seconds to trace and lower, then to compile, the train step of SGD (momentum 0.9) and of
+  K-FAC chained with it, and their ratio;
+* the step time of SGD, and of K-FAC by phase (`production.phase_seconds`) with the mean step at
+  cadence (10, 100), measured over one whole cycle and amortised from the phases, and at (50, 500)
+  amortised; each against SGD and against the ratio of their flops (XLA's count, with the
+  decompositions added at ``9 n^3`` per ``eigh``, as `kaisa_jax.analysis.projection` counts them);
+* the decomposition phase alone: one ``eigh`` and one Cholesky inverse per distinct factor size,
+  and each stack of the plan as the step decomposes it (one batched call);
+* the step that each cluster preset of `kaisa_jax.cluster` projects for one device
+  (`kaisa_jax.analysis.projection.project_step`), and one projected from this device's own
+  measured rates (`measure_host`), each against the measured step;
+* the losses of the first steps on the fixed batch (they must fall).
+
+Run: ``python benchmarks/gpu_check.py [--out gpu_check.json]`` on the machine with the GPU (about
+5 minutes on one H100). ``--tiny`` runs the same code on toy versions of both models on any
+machine (the tests run it on the CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+import traceback
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import production
+from kaisa_jax import cluster as cluster_lib
+from kaisa_jax.analysis import projection
+
+CADENCES = ((10, 100), (50, 500))  # KAISA's, and one typical of large runs
+TINY = {"resnet50": "tiny_resnet", "bert_base": "tiny_bert", "bert_large": "tiny_bert"}
+
+
+def environment() -> dict[str, Any]:
+  """The device and the versions the figures come from."""
+  device = jax.devices()[0]
+  return {
+    "device": f"{device.platform}: {device.device_kind}",
+    "devices": jax.device_count(),
+    "python": platform.python_version(),
+    **{name: metadata.version(name) for name in ("jax", "jaxlib", "flax", "optax")},
+  }
+
+
+def say(*args: Any, end: str = "\n") -> None:
+  print(*args, end=end, flush=True)
+
+
+def compile_row(name: str, fn, carry, batch) -> tuple[Any, dict[str, float]]:
+  times = production.compile_seconds(fn, carry, batch)
+  compiled = times.pop("compiled")
+  say(f"  {name}: trace+lower {times['lower']:.2f} s, compile {times['compile']:.2f} s")
+  return compiled, times
+
+
+def flop_ratio(sgd: projection.ProgramCost, work: projection.KFACWork, cadence) -> float:
+  """K-FAC+SGD's flops per step at ``cadence`` over SGD's (every phase amortised)."""
+  fus, ivs = cadence
+
+  def total(c: projection.ProgramCost) -> float:
+    return c.flops + c.lapack_flops
+
+  kfac = (
+    total(sgd)
+    + total(work.factors) / fus
+    + total(work.decompositions) / ivs
+    + total(work.preconditioning)
+  )
+  return kfac / total(sgd)
+
+
+def check_model(
+  name: str, batch: int, steps: int, repeats: int, project: bool = True
+) -> dict[str, Any]:
+  """Every figure of the module docstring for one model; prints them as they come."""
+  start = time.perf_counter()
+  s = production.setup(name, batch)
+  say(f"\n== {s.shape.label}, batch {batch} (set up in {time.perf_counter() - start:.1f} s)")
+  row: dict[str, Any] = {"model": name, "label": s.shape.label, "batch": batch}
+  sgd_fn, sgd_carry = production.sgd_step(s)
+  kfac_fn, kfac_carry, kfac = production.kfac_step(s, CADENCES[0])
+  plan = kfac.plan
+  row["layers"] = len(plan.layers)
+  row["treatments"] = sorted({str(t) for _, t in plan.layers})
+  row["stacks"] = len(plan.layout.all_stacks())
+  say(f"  plan: {row['layers']} layers, {row['stacks']} stacks, treatments {row['treatments']}")
+
+  sgd_compiled, row["sgd_compile"] = compile_row("SGD", sgd_fn, sgd_carry, s.batch)
+  kfac_compiled, row["kfac_compile"] = compile_row("K-FAC", kfac_fn, kfac_carry, s.batch)
+  row["sgd_memory"] = production.memory_bytes(sgd_compiled)
+  row["kfac_memory"] = production.memory_bytes(kfac_compiled)
+  say(
+    f"  memory of a step (arguments, outputs, temporaries): SGD {row['sgd_memory'] / 2**30:.2f}"
+    f" GiB, K-FAC {row['kfac_memory'] / 2**30:.2f} GiB"
+  )
+
+  sgd_seconds, sgd_losses = production.step_seconds(sgd_compiled, sgd_carry, s.batch, 30)
+  t_sgd = float(np.median(sgd_seconds[1:]))
+  kfac_seconds, losses = production.step_seconds(kfac_compiled, kfac_carry, s.batch, steps)
+  phases = production.phase_seconds(kfac_seconds, CADENCES[0])
+  cycle = CADENCES[0][1]
+  measured = float(np.mean(kfac_seconds[1 : cycle + 1])) if steps > cycle else None
+  row |= {"sgd_step": t_sgd, "phases": phases, "losses": losses[:11], "sgd_losses": sgd_losses[:11]}
+  by_phase = ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in phases.items())
+  say(f"  SGD step {1e3 * t_sgd:.2f} ms; K-FAC steps by phase: {by_phase}")
+  say(f"  losses, steps 0 and 10: K-FAC {losses[0]:.4f} -> {losses[10]:.4f}", end="")
+  say(f"; SGD {sgd_losses[0]:.4f} -> {sgd_losses[10]:.4f}")
+
+  if not project:
+    row["cadences"] = [
+      {"cadence": list(c), "kfac_step": production.amortised(phases, c)} for c in CADENCES
+    ]
+    say("  cadences (ms):", [round(1e3 * c["kfac_step"], 2) for c in row["cadences"]])
+  if project:
+    start = time.perf_counter()
+    grad_fn = production.grad_fn(s)
+    _, grads, curvature = grad_fn(s.params, s.state, s.batch)
+    work = projection.kfac_work(kfac, kfac_carry[2][0], grads, curvature, *CADENCES[0])
+    sgd_cost = projection.program_cost(sgd_compiled)
+    kfac_cost = projection.program_cost(kfac_compiled)
+    say(f"  phases compiled alone for the flop count in {time.perf_counter() - start:.1f} s")
+    row["cadences"] = []
+    for cadence in CADENCES:
+      t = production.amortised(phases, cadence)
+      entry = {
+        "cadence": list(cadence),
+        "kfac_step": t,
+        "ratio": t / t_sgd,
+        "flop_ratio": flop_ratio(sgd_cost, work, cadence),
+      }
+      if cadence == CADENCES[0] and measured is not None:
+        entry |= {"measured_cycle": measured, "measured_ratio": measured / t_sgd}
+      row["cadences"].append(entry)
+      say(
+        f"  cadence {cadence}: K-FAC {1e3 * t:.2f} ms ({entry['ratio']:.2f}x SGD), flop ratio "
+        f"{entry['flop_ratio']:.2f}x"
+        + (f"; whole cycle measured {1e3 * measured:.2f} ms" if "measured_cycle" in entry else "")
+      )
+
+  row["decompositions"] = production.decomposition_seconds(
+    production.factor_sizes(kfac), repeats=repeats
+  )
+  for d in row["decompositions"]:
+    say(
+      f"  size {d['size']:>6}: eigh {1e3 * d['eigen']:9.2f} ms, inverse {1e3 * d['inverse']:9.2f} ms"
+    )
+  row["stacks_seconds"] = production.stack_seconds(kfac, repeats=repeats)
+  total = sum(r["seconds"] for r in row["stacks_seconds"])
+  say(f"  every stack decomposed once, one batched call per side: {total:.2f} s in all")
+  row["spread_8"] = production.spread(kfac, 8)
+
+  if project:
+    row["projections"] = projections(sgd_cost, kfac_cost, work, t_sgd, phases)
+  return row
+
+
+def projections(sgd_cost, kfac_cost, work, t_sgd: float, phases: dict[str, float]) -> list:
+  """One device's projected SGD and K-FAC (10, 100) steps per cluster, against the measured."""
+  clusters = [*cluster_lib.PRESETS.values(), projection.measure_host("measured here")]
+  measured = production.amortised(phases, CADENCES[0])
+  rows = []
+  for c in clusters:
+    sgd = projection.project_step(sgd_cost, c).total
+    kfac = projection.project_step(kfac_cost, c, kfac=work).total
+    rows.append(
+      {"cluster": c.name, "sgd": sgd, "kfac": kfac, "sgd_error": sgd / t_sgd - 1}
+      | {"kfac_error": kfac / measured - 1}
+    )
+    say(
+      f"  PROJECTED on {c.name}: SGD {1e3 * sgd:.2f} ms ({100 * (sgd / t_sgd - 1):+.0f} % of "
+      f"measured), K-FAC {1e3 * kfac:.2f} ms ({100 * (kfac / measured - 1):+.0f} %)"
+    )
+  return rows
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--models", nargs="+", default=["resnet50", "bert_base"])
+  parser.add_argument("--batch", type=int, default=32)
+  parser.add_argument("--steps", type=int, default=101, help="K-FAC steps timed (101: a cycle)")
+  parser.add_argument("--repeats", type=int, default=2, help="timed calls per decomposition")
+  parser.add_argument("--tiny", action="store_true", help="toy models, batch 4: the CPU path")
+  parser.add_argument("--no-projection", action="store_true", help="skip the flop count")
+  parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+  args = parser.parse_args(argv)
+  models = [TINY.get(m, m) for m in args.models] if args.tiny else args.models
+  batch = 4 if args.tiny else args.batch
+  results: dict[str, Any] = {"environment": environment(), "models": {}, "failed": {}}
+  say(results["environment"])
+  for name in models:
+    try:
+      results["models"][name] = check_model(
+        name, batch, args.steps, args.repeats, not args.no_projection
+      )
+    except Exception:  # one model's failure must not lose the other's figures
+      results["failed"][name] = traceback.format_exc()
+      say(results["failed"][name])
+    if args.out is not None:
+      args.out.write_text(json.dumps(results, indent=1))
+  peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+  if peak:
+    results["environment"]["peak_bytes_in_use"] = peak
+    say(f"peak device memory in use: {peak / 2**30:.2f} GiB")
+  if args.out is not None:
+    args.out.write_text(json.dumps(results, indent=1))
+  return results
+
+
+if __name__ == "__main__":
+  main()
