@@ -343,8 +343,8 @@ def stack_seconds(kfac: kaisa_jax.KFAC, repeats: int = 3) -> list[dict[str, Any]
         continue
       members = len(stack) * spec.groups
       fn = jax.jit(functools.partial(preconditioning.decompose, method=t.method, diagonal=False))
-      x = _spd(dim, members)
-      shares = jnp.full((members,), damping)
+      x = _spd(dim, members)[:, None]  # stacks are (members, groups = 1, d, d)
+      shares = jnp.full((members, 1), damping)
       seconds = _timed(fn, x, damping=shares, repeats=repeats)
       rows.append(
         {"layer": spec.name, "side": side, "size": dim, "members": members, "method": t.method}

@@ -1,0 +1,77 @@
+"""The production-shape check (`benchmarks/gpu_check.py`) on its CPU path, and its arithmetic."""
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import gpu_check, production
+
+
+def test_phases_of_a_cycle_amortise_to_its_mean():
+  # Steps that only precondition take 1 s, factor steps 3 s, decomposition steps 10 s: the mean
+  # over one whole (10, 100) cycle is what the amortised formula gives.
+  fus, ivs = 10, 100
+  seconds = [10.0 if k % ivs == 0 else 3.0 if k % fus == 0 else 1.0 for k in range(2 * ivs + 1)]
+  phases = production.phase_seconds(seconds, (fus, ivs))
+  assert phases == {"plain": 1.0, "factors": 3.0, "decomposition": 10.0}
+  cycle = float(np.mean(seconds[1 : ivs + 1]))
+  assert production.amortised(phases, (fus, ivs)) == pytest.approx(cycle, rel=1e-12)
+  assert production.amortised(phases, (50, 500)) == pytest.approx(1.0 + 2.0 / 50 + 7.0 / 500)
+
+
+def test_production_shapes_are_the_published_architectures():
+  import jax
+
+  def count(model, x):
+    params = jax.eval_shape(model.init, jax.random.key(0), x)["params"]
+    return sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
+
+  shapes = production.SHAPES
+  resnet = count(shapes["resnet50"].model, jax.ShapeDtypeStruct((1, 224, 224, 3), "float32"))
+  bert = count(shapes["bert_base"].model, jax.ShapeDtypeStruct((1, 128), "int32"))
+  assert resnet == 25_557_032  # ResNet-50 as published (torchvision's count)
+  # BERT-Base: 110 M with the pooler; without it (no next-sentence head here) 109.5 M, and the
+  # MLM head's transform and decoder bias.
+  assert bert == 109_514_298
+
+
+def test_cpu_path_runs_every_section(tmp_path):
+  out = tmp_path / "check.json"
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    results = gpu_check.main(["--tiny", "--models", "bert_base", "--out", str(out)])
+  assert results["failed"] == {}
+  assert json.loads(out.read_text())["models"].keys() == {"tiny_bert"}
+  r = results["models"]["tiny_bert"]
+  assert r["layers"] == 16  # 3 embeddings, 2 blocks of 4 attention projections and 2 dense, 1 head
+  assert r["losses"][10] < r["losses"][0]
+  assert [c["cadence"] for c in r["cadences"]] == [[10, 100], [50, 500]]
+  assert all(c["flop_ratio"] > 1 for c in r["cadences"])
+  assert r["cadences"][0]["measured_cycle"] > 0
+  sizes = sorted({d["size"] for d in r["decompositions"]})
+  assert sizes == [16, 17, 32, 33]  # width 16 and MLP 32, each + 1 for the bias
+  assert [s["fraction"] for s in r["spread_8"]] == ["1/8", "2/8", "4/8", "8/8"]
+  assert all(0 < s["decomposition_share"] <= 1 for s in r["spread_8"])
+  assert len(r["projections"]) == 3
+  page = gpu_check.render(results)
+  assert "tiny BERT" in page and "PROJECTED" in page
+
+
+def test_stacks_of_several_members_decompose_with_either_method():
+  s = production.setup("tiny_bert", 4)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    _, _, kfac = production.kfac_step(s, (10, 100), compute_method="inverse")
+  rows = production.stack_seconds(kfac, repeats=1)
+  queries = [r for r in rows if r["layer"].endswith("0/MultiHeadDotProductAttention_0/query")]
+  # query, key and value of both blocks: one stack of 6 members, each side one batched call
+  assert [(r["side"], r["members"], r["method"]) for r in queries] == [
+    ("A", 6, "inverse"),
+    ("G", 6, "inverse"),
+  ]
+  assert all(r["seconds"] > 0 for r in rows)
