@@ -99,6 +99,11 @@ BLOCKS: dict[str, Block] = {
     "benchmarks.projected_time_to_target:render",
     "python benchmarks/projected_time_to_target.py --publish",
   ),
+  "memory at scale": Block(
+    "memory_at_scale.json",
+    "benchmarks.memory_at_scale:render",
+    "python benchmarks/memory_at_scale.py --publish",
+  ),
 }
 
 _MARKER = re.compile(r"^<!-- (?P<name>[^:>]+): (?P<kind>begin|end) -->$")

@@ -8,7 +8,9 @@ For each model at a per-device batch of 32 (`benchmarks.production`), this print
 * the step time of SGD, and of K-FAC by phase (`production.phase_seconds`) with the mean step at
   cadence (10, 100), measured over one whole cycle and amortised from the phases, and at (50, 500)
   amortised; each against SGD and against the ratio of their flops (XLA's count, with the
-  decompositions added at ``9 n^3`` per ``eigh``, as `kaisa_jax.analysis.projection` counts them);
+  decompositions added at `kaisa_jax.cost`'s flop-equivalents, as
+  `kaisa_jax.analysis.projection` counts them; the run in ``benchmarks/results/gpu_check.json``
+  counted ``9 n^3`` per ``eigh``);
 * the decomposition phase alone: one ``eigh`` and one Cholesky inverse per distinct factor size,
   and each stack of the plan as the step decomposes it (one batched call);
 * the step that each cluster preset of `kaisa_jax.cluster` projects for one device

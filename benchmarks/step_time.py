@@ -11,8 +11,8 @@ the ratio implied by FLOPs alone, and where K-FAC's time goes per phase.
 * FLOPs: XLA's cost analysis of each compiled phase (a `lax.cond` is counted as
   if its branch always ran, so the phases are compiled separately and
   amortised: ``plain + factors / factor_update_steps + decomposition /
-  inv_update_steps``). XLA does not count LAPACK custom calls; they are added as
-  ``9 n^3`` per ``syevd`` (eigh) and ``n^3 / 3`` per ``potrf`` (Cholesky).
+  inv_update_steps``). XLA does not count LAPACK custom calls; they are added at
+  the flop-equivalents of `kaisa_jax.cost` (`kaisa_jax.analysis.projection.lapack_flops`).
 
 Run: ``python benchmarks/step_time.py [--quick] [--publish]``. ``--publish`` writes the
 results to ``benchmarks/results/step_time.json`` and the table (`render`) into

@@ -3,8 +3,10 @@
 `Cluster` describes identical devices in nodes; `DGX_A100` and `DGX_H100` take
 their figures from NVIDIA's data sheets (peak rates, so a time projected from
 them is optimistic by the kernels' efficiency). `kaisa_jax.plan_fractions`
-weighs each grad worker fraction on one, and ``grad_worker_fraction="auto"``
-takes the preset of the first device's kind (`cluster_of`).
+weighs each grad worker fraction on one, within a memory budget taken by
+default from the device's memory (`kaisa_jax.planning.budget_for`), and
+``grad_worker_fraction="auto"`` takes the preset of the first device's kind
+(`cluster_of`).
 `kaisa_jax.analysis.projection.measure_host` times this machine into one.
 """
 
@@ -37,7 +39,9 @@ class Cluster:
       nodes (one direction).
     devices_per_node: devices in one node.
     latency: seconds each collective costs on top of its bytes.
-    memory: bytes of memory per device.
+    memory: bytes of memory per device; the planner's default budget for
+      K-FAC's state is this less the model's memory
+      (`kaisa_jax.planning.budget_for`).
     kernel_overhead: seconds each kernel (each operation a compiled program
       launches) costs on top of its flops and bytes.
     source: where the figures come from.

@@ -7,8 +7,8 @@ For a layer with ``r`` rows per step, groups of factor sizes ``a = a_dim`` and
 * factor statistics (every ``factor_update_steps``): ``2 r (a^2 + o^2)``
   (``r (a + o)`` for diagonal sides);
 * decompositions (every ``inv_update_steps``): ``c d^3`` per dense side, with
-  ``c = 20`` for ``eigh`` and ``c = 4`` for a Cholesky inverse (what these
-  kernels cost, in matmul-flop equivalents, measured on CPU);
+  ``c = EIGH_CUBE`` for ``eigh`` and ``c = INVERSE_CUBE`` for a Cholesky
+  inverse (below);
 * preconditioning (every step): ``4 a o (a + o)`` for the eigen method (four
   products), ``2 a o (a + o)`` for the inverse method (two), less for
   diagonal sides.
@@ -22,6 +22,40 @@ diagonal (its inputs are one-hot). Normalisation layers always get the exact
 eigen method on their 2x2 blocks (or their diagonal, when asked for). Factor
 statistics are left out of the rule: their cost is set by
 ``factor_update_steps``, which the user picks.
+
+The decompositions' constants are flop-equivalents: a kernel's time over the
+time of one flop of a matrix product, over ``n^3`` for an ``n x n`` matrix.
+The planner (`kaisa_jax.planning`) and the projection
+(`kaisa_jax.analysis.projection.lapack_flops`, which counts the LAPACK calls of
+a compiled program) both count with them. They come from
+``benchmarks/decomposition_cost.py``: `kaisa_jax.preconditioning.decompose`
+of one float32 matrix, its Cholesky factor alone and one triangular solve for
+``n`` right-hand sides, timed in turns with an ``n x n`` product of the same
+``n`` (``2 n^3`` flops), medians of 7 on one thread of a 2-core x86 CPU
+(jax 0.10.2, LAPACK through jaxlib; one thread because the two cores are shared
+and threaded LAPACK timed erratically there):
+
+======  =====  ========================  =====  =====
+n       eigh   inverse (whole method)    potrf  trsm
+======  =====  ========================  =====  =====
+256     14.1   6.3                       1.7    2.6
+512     13.9   6.1                       1.5    2.3
+1024    13.1   4.9                       1.2    2.4
+2048    10.3   4.2                       1.1    1.6
+======  =====  ========================  =====  =====
+
+hence ``EIGH_CUBE = 13``, ``CHOLESKY_CUBE = 1.5``, ``SOLVE_CUBE = 2`` and the
+inverse method, a Cholesky and two triangular solves against the identity,
+``INVERSE_CUBE = 1.5 + 2 x 2 = 5.5``. On one NVIDIA H100 (float32, jax 0.11.2,
+cuSOLVER) the same ``decompose`` took, for ``eigh``, 134, 33.2, 11.6, 5.2 and
+2.3 ms at ``n`` = 4608, 2304, 1024, 512 and 256, and for the Cholesky inverse
+11.9, 3.5 and 1.34 ms at 4608, 2304 and 1024: against the DGX H100 preset's
+67 TFLOP/s (`kaisa_jax.cluster.DGX_H100`, the rate its projections use) that is
+``eigh`` at 92, 182, 724, 2600 and 9200 ``n^3`` and the inverse at 8.1, 19 and
+84 ``n^3``. A GPU's ``eigh`` is bound by latency, not flops, below a few
+thousand, so no constant times ``n^3`` describes it; the CPU's constants, flat
+in ``n`` as the model assumes, are the ones used, and a projection for a GPU
+preset understates its decompositions (about 7x at the largest factors).
 """
 
 from __future__ import annotations
@@ -31,8 +65,14 @@ import dataclasses
 from kaisa_jax import layers as layers_lib
 from kaisa_jax import preconditioning
 
-EIGH_CUBE = 20.0
-INVERSE_CUBE = 4.0
+# Flop-equivalents per n^3 of an n x n matrix (the module docstring): a symmetric
+# eigendecomposition (LAPACK syevd), a Cholesky factorisation (potrf) and a triangular
+# solve, per r c max(r, c) for an r x c result (trsm: n^3 for n right-hand sides).
+EIGH_CUBE = 13.0
+CHOLESKY_CUBE = 1.5
+SOLVE_CUBE = 2.0
+# The inverse method: a Cholesky factorisation and two triangular solves against I.
+INVERSE_CUBE = CHOLESKY_CUBE + 2 * SOLVE_CUBE
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,14 +18,20 @@ gradients less. `plan_fractions` lays the layers out for every valid ``f`` on
   The model's own forward and backward pass is the same for every ``f`` and
   left out.
 
-It recommends the fastest fraction whose memory fits ``memory_budget`` (ties:
-the one using less memory).
+It recommends the fastest fraction whose memory fits the memory budget (ties:
+the one using less memory). The budget is what the device leaves to K-FAC
+(`budget_for`): ``cluster.memory - model_memory``, with ``model_memory``
+the bytes per device the model and its first-order training need (parameters,
+gradients, optimizer state, activations), by default half the device's memory;
+or a ``memory_budget`` given outright.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fractions
+import math
+import numbers
 from typing import Any
 
 import numpy as np
@@ -38,6 +44,9 @@ from kaisa_jax.config import Settings, check_settings
 from kaisa_jax.plan import Plan, make_plan
 
 PLANNED_AXIS = "planned"
+# Without a model_memory, the model and its first-order training are assumed to need
+# this share of the device's memory, and K-FAC may use the rest.
+DEFAULT_MODEL_SHARE = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +89,7 @@ class FractionPlan:
   Attributes:
     devices: ``N``.
     cluster: the cluster the times are projected for.
-    memory_budget: bytes per device allowed for K-FAC's state (``None``: any).
+    memory_budget: bytes per device allowed for K-FAC's state (``math.inf``: any).
     options: one `FractionOption` per valid fraction, ``W`` from 1 to ``N``.
     recommended: the fastest fraction that fits (ties: less memory); pass it
       as ``grad_worker_fraction``. ``None`` if none fits.
@@ -88,12 +97,12 @@ class FractionPlan:
 
   devices: int
   cluster: Cluster
-  memory_budget: float | None
+  memory_budget: float
   options: tuple[FractionOption, ...]
   recommended: fractions.Fraction | None
 
   def __str__(self) -> str:
-    budget = "none" if self.memory_budget is None else _bytes(self.memory_budget)
+    budget = "none" if math.isinf(self.memory_budget) else _bytes(self.memory_budget)
     lines = [
       f"K-FAC grad worker fraction on {self.devices} device(s) of {self.cluster.name}; "
       f"memory budget {budget} per device; times PROJECTED ({self.cluster.source})",
@@ -108,7 +117,10 @@ class FractionPlan:
         f" {1e3 * o.compute:>11.4f} {1e3 * o.communication:>9.4f} {1e3 * o.seconds:>9.4f}{mark}"
       )
     if self.recommended is None:
-      lines.append("no fraction fits the memory budget: raise it, or use more devices")
+      lines.append(
+        "no fraction fits the memory budget: raise it (a smaller model_memory or a larger "
+        "memory_budget), or use more devices"
+      )
     return "\n".join(lines)
 
 
@@ -160,10 +172,24 @@ def _compute_seconds(
   return flops / cluster.flops_per_s
 
 
+def state_bytes(layout: assignment.Layout, factor_dtype: Any) -> tuple[int, int]:
+  """Bytes per device of K-FAC's state on ``layout``: its factor buffer and its group's decompositions.
+
+  ``factor_size`` elements of ``factor_dtype``, and ``cols x decomposition_size``
+  of the decompositions' dtype (`preconditioning.decomposition_dtype`): the
+  sizes of `kaisa_jax.KFACState`'s ``factors`` and ``decompositions`` on one
+  device. On the layout of one device (``layout_for(plan, 1, 1)``), every
+  layer's factors and decompositions.
+  """
+  itemsize = np.dtype(factor_dtype).itemsize
+  dec_itemsize = np.dtype(preconditioning.decomposition_dtype(factor_dtype)).itemsize
+  return layout.factor_size * itemsize, layout.cols * layout.decomposition_size * dec_itemsize
+
+
 def _option(
   layers: Layers,
   cluster: Cluster,
-  memory_budget: float | None,
+  memory_budget: float,
   settings: Settings,
   n_devices: int,
   w: int,
@@ -173,9 +199,7 @@ def _option(
   plan = make_plan(layers, comm, settings)
   layout = plan.layout
   itemsize = settings.factor_dtype.itemsize
-  dec_itemsize = np.dtype(preconditioning.decomposition_dtype(settings.factor_dtype)).itemsize
-  factor_memory = layout.factor_size * itemsize
-  decomposition_memory = layout.cols * layout.decomposition_size * dec_itemsize
+  factor_memory, decomposition_memory = state_bytes(layout, settings.factor_dtype)
   collectives = modelled_collectives(layout, n_devices, gradient_bytes=None, itemsize=itemsize)
   cadence = (settings.factor_update_steps, settings.inv_update_steps)
   communication = communication_seconds(cluster, collectives, n_devices, w, *cadence)
@@ -187,8 +211,54 @@ def _option(
     decomposition_memory=decomposition_memory,
     compute=_compute_seconds(plan, cluster, *cadence),
     communication=sum(communication.values()),
-    fits=memory_budget is None or memory <= memory_budget,
+    fits=memory <= memory_budget,
   )
+
+
+def _positive_bytes(name: str, value: Any, allow_zero: bool, allow_inf: bool = False) -> float:
+  """``value`` as a float of bytes; raises unless it is a real number in range."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    raise TypeError(f"{name} must be a number of bytes, got {value!r}")
+  value = float(value)
+  finite = math.isfinite(value) or (allow_inf and value == math.inf)
+  if not finite or value < 0 or (value == 0 and not allow_zero):
+    bound = ">= 0" if allow_zero else "> 0"
+    also = " (math.inf: no limit)" if allow_inf else ""
+    raise ValueError(f"{name} must be a finite number of bytes {bound}{also}, got {value!r}")
+  return value
+
+
+def budget_for(
+  cluster: Cluster,
+  model_memory: float | None = None,
+  memory_budget: float | None = None,
+) -> float:
+  """Bytes per device K-FAC's factors and decompositions may use on ``cluster``.
+
+  ``memory_budget`` when given (``math.inf``: no limit); else what the device
+  leaves, ``cluster.memory - model_memory``, with ``model_memory`` the bytes per
+  device of the model and its first-order training (parameters, gradients,
+  optimizer state, activations) and, when it is ``None``, `DEFAULT_MODEL_SHARE`
+  of ``cluster.memory``. Giving both raises: each sets the budget.
+  """
+  if memory_budget is not None:
+    if model_memory is not None:
+      raise ValueError(
+        "give memory_budget (the bytes per device K-FAC may use) or model_memory (the bytes "
+        "per device the model needs; K-FAC gets the device's memory less them), not both"
+      )
+    return _positive_bytes("memory_budget", memory_budget, allow_zero=False, allow_inf=True)
+  if model_memory is None:
+    return (1.0 - DEFAULT_MODEL_SHARE) * cluster.memory
+  model_memory = _positive_bytes("model_memory", model_memory, allow_zero=True)
+  if model_memory >= cluster.memory:
+    raise ValueError(
+      f"model_memory ({_bytes(model_memory)}) is at or above the memory of one device of "
+      f"{cluster.name} ({_bytes(cluster.memory)}): nothing is left for K-FAC. Give the model's "
+      "bytes per device (with the per-device batch), a cluster with more memory per device "
+      "(kaisa_jax.Cluster(memory=...)), or memory_budget= outright"
+    )
+  return cluster.memory - model_memory
 
 
 def plan_fractions(
@@ -197,6 +267,7 @@ def plan_fractions(
   cluster: Cluster,
   memory_budget: float | None = None,
   *,
+  model_memory: float | None = None,
   factor_update_steps: int = 10,
   inv_update_steps: int = 100,
   compute_method: str = preconditioning.EIGEN,
@@ -212,8 +283,14 @@ def plan_fractions(
     n_devices: ``N``, the data-parallel devices.
     cluster: the hardware (`kaisa_jax.DGX_A100`, ``DGX_H100``, or a
       `kaisa_jax.Cluster` of your own).
-    memory_budget: bytes per device K-FAC's factors and decompositions may use
-      (``None``: no limit).
+    memory_budget: bytes per device K-FAC's factors and decompositions may use,
+      given outright (``math.inf``: no limit). ``None`` (the default): what
+      the device leaves, ``cluster.memory - model_memory``.
+    model_memory: bytes per device the model and its first-order training
+      need: parameters, gradients, optimizer state and activations at the
+      per-device batch. ``None`` (the default): half of ``cluster.memory``
+      (`DEFAULT_MODEL_SHARE`). Not with ``memory_budget``; at or above
+      ``cluster.memory`` it raises.
     factor_update_steps, inv_update_steps, compute_method, max_cost_ratio, assignment_cost, factor_dtype:
       as given to `kaisa_jax.kfac`, and checked as it checks them
       (`kaisa_jax.config.check_settings`; a cadence's schedule counts at its
@@ -234,10 +311,7 @@ def plan_fractions(
     raise TypeError(
       f"cluster must be a kaisa_jax.Cluster (e.g. kaisa_jax.DGX_A100), got {type(cluster).__name__}"
     )
-  if memory_budget is not None and not (np.isfinite(memory_budget) and memory_budget > 0):
-    raise ValueError(
-      f"memory_budget must be a positive number of bytes or None, got {memory_budget}"
-    )
+  budget = budget_for(cluster, model_memory, memory_budget)
   settings = check_settings(
     factor_update_steps=factor_update_steps,
     inv_update_steps=inv_update_steps,
@@ -246,14 +320,14 @@ def plan_fractions(
     assignment_cost=assignment_cost,
     factor_dtype=factor_dtype,
   )
-  return fraction_options(layers, n_devices, cluster, memory_budget, settings)
+  return fraction_options(layers, n_devices, cluster, budget, settings)
 
 
 def fraction_options(
   layers: Layers,
   n_devices: int,
   cluster: Cluster,
-  memory_budget: float | None,
+  memory_budget: float,
   settings: Settings,
 ) -> FractionPlan:
   """`plan_fractions` with its arguments checked, the settings by `kaisa_jax.config.check_settings`."""

@@ -49,7 +49,7 @@ from kaisa_jax.capture import EXCLUDED, Curvature, Layers, Skipped
 from kaisa_jax.chain_order import check_chain_order
 from kaisa_jax.cluster import cluster_of
 from kaisa_jax.plan import Plan, collectives_for, make_plan
-from kaisa_jax.planning import fraction_options
+from kaisa_jax.planning import budget_for, fraction_options
 from kaisa_jax.state import (
   KFACState,
   initial_state,
@@ -166,8 +166,12 @@ def kfac(
       ``"hybrid_opt"`` (1/2) or ``"mem_opt"`` (``1/N``), or ``"auto"``
       (with ``axis_name=``): the fraction `kaisa_jax.plan_fractions`
       recommends for the preset cluster of the device kind
-      (`kaisa_jax.cluster.cluster_of`: A100, H100; others raise). With
-      ``mesh=`` it defaults to the mesh's. No effect on a single device.
+      (`kaisa_jax.cluster.cluster_of`: A100, H100; others raise), with its
+      default memory budget: half the preset's memory per device for K-FAC's
+      state (the other half left to the model; it raises if no fraction
+      fits). For another budget, pass
+      ``plan_fractions(layers, n, cluster, model_memory=...).recommended``.
+      With ``mesh=`` it defaults to the mesh's. No effect on a single device.
     mesh: for a train step under ``jax.shard_map``: the mesh from
       `kaisa_jax.make_mesh`. ``init`` then returns the state sharded over it
       (``kaisa_jax.partition_specs`` gives the specs for ``shard_map``).
@@ -282,8 +286,9 @@ def _auto_fraction(layers: Layers, config: config_lib.Config) -> Any:
   A `fractions.Fraction`, or ``"comm_opt"`` on one device (nothing to choose).
 
   The cluster is the preset for the first device's kind
-  (`kaisa_jax.cluster.cluster_of`), with no memory budget. The plan must be
-  the same whenever kfac is built, so the factor cadence it weighs must be
+  (`kaisa_jax.cluster.cluster_of`), with the planner's default memory budget
+  (`kaisa_jax.planning.budget_for`: half the device's memory). The plan must
+  be the same whenever kfac is built, so the factor cadence it weighs must be
   concrete: not an array, which `optax.inject_hyperparams` traces in update.
   """
   if config.mesh is not None:
@@ -302,7 +307,15 @@ def _auto_fraction(layers: Layers, config: config_lib.Config) -> Any:
     )
   n = jax.device_count() if config.axis_size is None else config.axis_size
   cluster = cluster_of(jax.devices()[0])
-  return fraction_options(layers, n, cluster, None, config.settings).recommended
+  planned = fraction_options(layers, n, cluster, budget_for(cluster), config.settings)
+  if planned.recommended is None:
+    raise ValueError(
+      f"grad_worker_fraction='auto': no grad worker fraction on {n} devices of {cluster.name} "
+      "fits K-FAC's state in the default memory budget (half the device's memory):\n"
+      f"{planned}\nplan with kaisa_jax.plan_fractions(layers, n_devices, cluster, "
+      "model_memory=...) and pass its recommended fraction, or use more devices"
+    )
+  return planned.recommended
 
 
 # ------------------------------------------------------------------ the step

@@ -9,6 +9,7 @@ HLO byte counts they are given and the ranking the model implies.
 from __future__ import annotations
 
 import dataclasses
+import math
 from fractions import Fraction
 
 import flax.linen as nn
@@ -23,7 +24,8 @@ from sklearn.datasets import load_digits
 
 import kaisa_jax
 from kaisa_jax import cluster as cluster_lib
-from kaisa_jax import communication, cpu_loop, transform
+from kaisa_jax import communication, cpu_loop, preconditioning, transform
+from kaisa_jax import cost as kaisa_cost
 from kaisa_jax.analysis import accounting, projection
 
 
@@ -168,6 +170,85 @@ def test_auto_uses_the_planner_for_the_device_kind(monkeypatch):
     )
 
 
+def test_the_default_budget_is_the_device_memory_less_the_model():
+  layers = two_dense_layers()
+  h100 = kaisa_jax.DGX_H100
+  assert kaisa_jax.plan_fractions(layers, 2, h100).memory_budget == 80e9 - 40e9  # half by default
+  with_model = kaisa_jax.plan_fractions(layers, 2, h100, model_memory=30e9)
+  assert with_model.memory_budget == 80e9 - 30e9 == 50e9
+  assert "memory budget 46.57 GiB per device" in str(with_model)
+  assert kaisa_jax.plan_fractions(layers, 2, h100, model_memory=0).memory_budget == 80e9
+  assert kaisa_jax.plan_fractions(layers, 2, h100, 1e6).memory_budget == 1e6  # outright
+  unlimited = kaisa_jax.plan_fractions(layers, 2, h100, math.inf)
+  assert unlimited.memory_budget == math.inf and "memory budget none" in str(unlimited)
+  assert all(o.fits for o in unlimited.options)
+
+
+def _small_device(layers, n):
+  """A cluster on which COMM-OPT is fastest, with memory for every fraction's K-FAC state but
+  COMM-OPT's once half of it (the default model share) goes to the model."""
+  slow_network = dataclasses.replace(CLUSTER, latency=1e-2)
+  free = kaisa_jax.plan_fractions(layers, n, slow_network, math.inf, max_cost_ratio=None)
+  assert free.recommended == 1
+  comm_opt, smallest = option(free, 1).memory, min(o.memory for o in free.options)
+  assert smallest < comm_opt
+  return dataclasses.replace(slow_network, memory=float(smallest + comm_opt)), free
+
+
+def test_a_default_budget_below_comm_opt_changes_the_recommendation():
+  layers = _wide_layers()
+  small, free = _small_device(layers, 8)
+  budget = small.memory / 2
+  default = kaisa_jax.plan_fractions(layers, 8, small, max_cost_ratio=None)
+  assert default.memory_budget == budget
+  assert default.recommended != 1 and not option(default, 1).fits
+  fitting = [o for o in default.options if o.memory <= budget]
+  assert default.recommended == min(fitting, key=lambda o: (o.seconds, o.memory)).fraction
+  # The same memory given as the model's: a smaller model leaves COMM-OPT room again.
+  roomy = kaisa_jax.plan_fractions(layers, 8, small, model_memory=0, max_cost_ratio=None)
+  assert roomy.memory_budget == small.memory and roomy.recommended == 1
+  tight = small.memory - option(free, 1).memory + 1  # one byte short of COMM-OPT's state
+  assert (
+    kaisa_jax.plan_fractions(layers, 8, small, model_memory=tight, max_cost_ratio=None).recommended
+    != 1
+  )
+
+
+def test_auto_plans_with_the_default_budget(monkeypatch):
+  layers = _wide_layers()
+  small, _ = _small_device(layers, 8)
+  monkeypatch.setattr(transform, "cluster_of", lambda device: small)
+  kwargs = dict(axis_name="batch", axis_size=8, kl_clip=None, max_cost_ratio=None)
+  kfac = kaisa_jax.kfac(layers, grad_worker_fraction="auto", **kwargs)
+  expected = kaisa_jax.plan_fractions(layers, 8, small, max_cost_ratio=None).recommended
+  assert Fraction(kfac.plan.layout.cols, 8) == expected != 1
+  tiny = dataclasses.replace(small, memory=2.0 * 1000)  # 1000 bytes for K-FAC: nothing fits
+  monkeypatch.setattr(transform, "cluster_of", lambda device: tiny)
+  with pytest.raises(ValueError, match=r"fits K-FAC's state in the default memory budget"):
+    kaisa_jax.kfac(layers, grad_worker_fraction="auto", **kwargs)
+
+
+@pytest.mark.parametrize(
+  ("kwargs", "error", "match"),
+  [
+    (dict(model_memory=-1.0), ValueError, r"model_memory must be a finite number of bytes >= 0"),
+    (dict(model_memory=math.nan), ValueError, "model_memory must be a finite"),
+    (dict(model_memory=math.inf), ValueError, "model_memory must be a finite"),
+    (dict(model_memory="40GB"), TypeError, "model_memory must be a number of bytes"),
+    (dict(model_memory=True), TypeError, "model_memory must be a number of bytes"),
+    (dict(model_memory=1e9), ValueError, r"at or above the memory of one device.*memory_budget="),
+    (dict(model_memory=2e9), ValueError, r"model_memory \(1\.86 GiB\) is at or above"),
+    (dict(memory_budget=1e6, model_memory=1e6), ValueError, "not both"),
+    (dict(memory_budget=0.0), ValueError, r"memory_budget must be a finite number of bytes > 0"),
+    (dict(memory_budget=math.nan), ValueError, "memory_budget must be"),
+    (dict(memory_budget=-math.inf), ValueError, "memory_budget must be"),
+  ],
+)
+def test_the_budget_rejects_bad_input(kwargs, error, match):
+  with pytest.raises(error, match=match):
+    kaisa_jax.plan_fractions(two_dense_layers(), 2, CLUSTER, **kwargs)  # CLUSTER: 1 GB
+
+
 @pytest.mark.parametrize(
   ("kwargs", "match"),
   [
@@ -215,7 +296,9 @@ def test_program_cost_counts_lapack_and_the_kernels_of_the_larger_branch():
     return jnp.sum(z, axis=0)
 
   cost = projection.cost_of(f, jnp.ones((8, 8)), True)
-  assert cost.lapack_flops == 9 * 8**3  # one 8x8 eigh, which XLA's flops leave out
+  assert (
+    cost.lapack_flops == kaisa_cost.EIGH_CUBE * 8**3
+  )  # one 8x8 eigh, which XLA's flops leave out
   # Outside the cond: the product, the predicate's conversion, tanh, the sum; in the
   # eigh branch: a layout copy, the symmetrisation, eigh, the eigenvalue sum, the product.
   assert cost.kernels == 4 + 5
@@ -266,8 +349,35 @@ def test_program_cost_counts_the_triangular_solves_of_a_cholesky_inverse():
     return jax.scipy.linalg.solve_triangular(factor, jnp.eye(8), lower=True)
 
   cost = projection.cost_of(f, jnp.ones((8, 8)))
-  # One 8x8 Cholesky (n^3 / 3) and one solve for 8 right-hand sides (n^2 m).
-  assert cost.lapack_flops == pytest.approx(8**3 / 3 + 8**3)
+  # One 8x8 Cholesky and one solve for 8 right-hand sides (n^2 m), at the planner's constants.
+  assert cost.lapack_flops == pytest.approx(
+    (kaisa_cost.CHOLESKY_CUBE + kaisa_cost.SOLVE_CUBE) * 8**3
+  )
+
+
+@pytest.mark.parametrize("n", [8, 33])
+def test_planner_and_projection_count_a_decomposition_alike(n):
+  """One cost model: the projection's LAPACK flops of a compiled decomposition of an ``n x n``
+  factor are the planner's constant times ``n^3`` (`kaisa_jax.cost`)."""
+  factor = jnp.eye(n)[None] * 2.0
+  eigen = projection.cost_of(lambda f: preconditioning.decompose(f, "eigen", False, 0.0), factor)
+  assert eigen.lapack_flops == pytest.approx(kaisa_cost.EIGH_CUBE * n**3)
+
+  def cholesky_inverse(f):
+    chol = jax.scipy.linalg.cho_factor(f, lower=True)
+    return jax.scipy.linalg.cho_solve(chol, jnp.eye(n))
+
+  inverse = projection.cost_of(cholesky_inverse, factor[0])
+  assert inverse.lapack_flops == pytest.approx(kaisa_cost.INVERSE_CUBE * n**3)
+  # The inverse method retries a failed Cholesky in a conditional, whose branch counts as if
+  # it ran: the projection counts the inverse twice where the planner counts it once.
+  method = projection.cost_of(lambda f: preconditioning.decompose(f, "inverse", False, 1.0), factor)
+  assert method.lapack_flops == pytest.approx(2 * kaisa_cost.INVERSE_CUBE * n**3)
+  spec = two_dense_layers().specs[0]
+  for method in preconditioning.METHODS:
+    t = kaisa_cost.Treatment(method)
+    cube = kaisa_cost.EIGH_CUBE if method == "eigen" else kaisa_cost.INVERSE_CUBE
+    assert kaisa_cost.decomposition_flops(spec, t) == cube * (spec.a_dim**3 + spec.g_dim**3)
 
 
 def _members_in_place(loop: bool):
@@ -319,7 +429,7 @@ def test_program_cost_counts_a_loop_body_once_per_trip():
   )
   assert sum(nested.matmuls) == 12 * 2 * 8**3
   eighs = projection.cost_of(lambda f: jax.lax.map(jnp.linalg.eigh, f), jnp.ones((5, 6, 6)))
-  assert eighs.lapack_flops == 5 * 9 * 6**3
+  assert eighs.lapack_flops == 5 * kaisa_cost.EIGH_CUBE * 6**3
 
 
 def test_a_stack_preconditioned_in_a_loop_costs_what_it_does_member_by_member(monkeypatch):
@@ -429,7 +539,10 @@ def _kfac_step(n_devices_traced: int = 1):
 
 def test_kfac_phases_are_amortised_and_split_by_the_layout():
   step, work = _kfac_step()
-  assert work.decompositions.lapack_flops == pytest.approx(9 * (7**3 + 8**3 + 9**3 + 4**3))
+  # The planner's flops of each layer's decompositions (`kaisa_jax.cost`) are the projection's.
+  planned = sum(kaisa_cost.decomposition_flops(s, t) for s, t in work.plan.layers)
+  assert planned == kaisa_cost.EIGH_CUBE * (7**3 + 8**3 + 9**3 + 4**3)
+  assert work.decompositions.lapack_flops == pytest.approx(planned)
   assert step.lapack_flops == work.decompositions.lapack_flops  # the step holds the branch
   one = projection.project_step(step, CLUSTER, kfac=work)
   expected = (

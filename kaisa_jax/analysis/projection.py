@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kaisa_jax import parameters, phases, transform
+from kaisa_jax import cost, parameters, phases, transform
 from kaisa_jax.cluster import MATMUL_SIZES, MATMUL_WIDTHS, Cluster
 from kaisa_jax.communication import (
   Collective,
@@ -242,17 +242,21 @@ def _lapack_call_flops(line: str) -> float:
   dims = _dims(operand.group(1))
   r, c, batch = dims[-2], dims[-1], int(np.prod(dims[:-2]))
   if "trsm" in target.group(1):
-    return batch * r * c * max(r, c)
-  return batch * (1.0 / 3.0 if "potrf" in target.group(1) else 9.0) * c**3
+    return batch * cost.SOLVE_CUBE * r * c * max(r, c)
+  return batch * (cost.CHOLESKY_CUBE if "potrf" in target.group(1) else cost.EIGH_CUBE) * c**3
 
 
 def lapack_flops(hlo: str) -> float:
-  """Flops of the LAPACK custom calls in an HLO text, which XLA's cost analysis does not count.
+  """Flop-equivalents of the LAPACK custom calls in an HLO text, which XLA's cost analysis does not count.
 
-  ``9 n^3`` per eigh and ``n^3 / 3`` per Cholesky of an ``n x n`` matrix;
-  ``r c max(r, c)`` per triangular solve with an ``r x c`` result (``n^2 m``
-  for ``m`` right-hand sides of an ``n x n`` triangle: exact when square, more
-  otherwise). A call in a loop counts once per trip (`_runs`).
+  The planner's constants (`kaisa_jax.cost`): ``EIGH_CUBE n^3`` per eigh and
+  ``CHOLESKY_CUBE n^3`` per Cholesky of an ``n x n`` matrix, ``SOLVE_CUBE r c
+  max(r, c)`` per triangular solve with an ``r x c`` result (``n^2 m`` for
+  ``m`` right-hand sides of an ``n x n`` triangle: exact when square, more
+  otherwise); a Cholesky inverse, a Cholesky and two solves for ``n``
+  right-hand sides, counts ``INVERSE_CUBE n^3``, as the planner counts it. A
+  call in a loop counts once per trip (`_runs`); a call in a branch of a
+  conditional counts as if the branch ran.
 
   Args:
     hlo: the HLO text of a compiled program (``compiled.as_text()``).
