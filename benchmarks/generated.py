@@ -94,6 +94,18 @@ BLOCKS: dict[str, Block] = {
   "projected step time": Block(
     "projection.json", "benchmarks.projection:render", "python benchmarks/projection.py --publish"
   ),
+  "gpu check": Block(
+    "gpu_check.json",
+    "benchmarks.gpu_check:render",
+    "python benchmarks/gpu_check.py --out benchmarks/results/gpu_check.json (on the GPU), then "
+    "python benchmarks/generated.py",
+  ),
+  "production cpu": Block(
+    "production_cpu.json",
+    "benchmarks.gpu_check:render",
+    "python benchmarks/gpu_check.py --batch 2 --repeats 1 --out "
+    "benchmarks/results/production_cpu.json, then python benchmarks/generated.py",
+  ),
   "projected time to target": Block(
     "projected_time_to_target.json",
     "benchmarks.projected_time_to_target:render",

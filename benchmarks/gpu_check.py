@@ -135,6 +135,16 @@ def check_model(
     sgd_cost = projection.program_cost(sgd_compiled)
     kfac_cost = projection.program_cost(kfac_compiled)
     say(f"  phases compiled alone for the flop count in {time.perf_counter() - start:.1f} s")
+    row["flops"] = {
+      name: {"xla": c.flops, "lapack": c.lapack_flops, "bytes": c.bytes, "kernels": c.kernels}
+      for name, c in (
+        ("sgd", sgd_cost),
+        ("kfac_step", kfac_cost),
+        ("factors", work.factors),
+        ("decompositions", work.decompositions),
+        ("preconditioning", work.preconditioning),
+      )
+    }
     row["cadences"] = []
     for cadence in CADENCES:
       t = production.amortised(phases, cadence)
@@ -224,3 +234,97 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 if __name__ == "__main__":
   main()
+
+
+def _ms(seconds: float | None) -> str:
+  return "" if seconds is None else f"{1e3 * seconds:.1f}"
+
+
+def _steps_table(models: dict[str, Any]) -> list[str]:
+  lines = [
+    "| model | compile: SGD, K-FAC (ratio) | SGD step | K-FAC steps: preconditioning only, "
+    "+ factors, + decomposition | K-FAC (10, 100) | K-FAC (50, 500) | flop ratio (10, 100), "
+    "(50, 500) | memory of a step: SGD, K-FAC | loss at steps 0, 10 (K-FAC; SGD) |",
+    "|---|---|---|---|---|---|---|---|---|",
+  ]
+  for r in models.values():
+    sgd_c, kfac_c = (r[k]["lower"] + r[k]["compile"] for k in ("sgd_compile", "kfac_compile"))
+    p = r["phases"]
+    cells = []
+    for c in r["cadences"]:
+      text = f"{_ms(c['kfac_step'])} ms ({c['kfac_step'] / r['sgd_step']:.2f}x)"
+      if "measured_cycle" in c:
+        text += f"; a whole cycle measured: {_ms(c['measured_cycle'])} ms"
+      cells.append(text)
+    flop = ", ".join(f"{c['flop_ratio']:.2f}x" for c in r["cadences"] if "flop_ratio" in c)
+    lines.append(
+      f"| {r['label']}, batch {r['batch']}, {r['layers']} layers | {sgd_c:.1f} s, {kfac_c:.1f} s "
+      f"({kfac_c / sgd_c:.1f}x) | {_ms(r['sgd_step'])} ms | {_ms(p['plain'])}, "
+      f"{_ms(p.get('factors'))}, {_ms(p['decomposition'])} ms | {cells[0]} | {cells[1]} | "
+      f"{flop or 'not run'} | {r['sgd_memory'] / 2**30:.2f}, {r['kfac_memory'] / 2**30:.2f} GiB | "
+      f"{r['losses'][0]:.3f}, {r['losses'][10]:.3f}; {r['sgd_losses'][0]:.3f}, "
+      f"{r['sgd_losses'][10]:.3f} |"
+    )
+  return lines
+
+
+def _decomposition_table(models: dict[str, Any]) -> list[str]:
+  lines = [
+    "| model | factor size | `eigh` | Cholesky inverse | busiest of 8 devices' share of the "
+    "decompositions |",
+    "|---|---|---|---|---|",
+  ]
+  for r in models.values():
+    share = max(s["decomposition_share"] for s in r["spread_8"])
+    stacks = sum(s["seconds"] for s in r["stacks_seconds"])
+    for i, d in enumerate(r["decompositions"]):
+      first = i == 0
+      lines.append(
+        f"| {r['label'] if first else ''} | {d['size']} | {_ms(d['eigen'])} ms | "
+        f"{_ms(d['inverse'])} ms | {f'{100 * share:.0f} %' if first else ''} |"
+      )
+    lines.append(
+      f"| | every stack of the plan, one batched call per side | {1e3 * stacks:.0f} ms in all | | |"
+    )
+  return lines
+
+
+def comparable(cluster: str, kind: str) -> bool:
+  """Whether a projection on ``cluster`` can be checked on a device of ``kind``.
+
+  The rates measured on the device itself always can; a preset only on its own GPU.
+  """
+  return cluster.startswith("measured here") or any(
+    gpu in cluster and gpu in kind for gpu in ("A100", "H100")
+  )
+
+
+def _projection_table(models: dict[str, Any], kind: str) -> list[str]:
+  lines = [
+    "| model | cluster (PROJECTED for one device) | SGD step | K-FAC (10, 100) step |",
+    "|---|---|---|---|",
+  ]
+  for r in models.values():
+    for p in r.get("projections", []):
+      if not comparable(p["cluster"], kind):
+        continue
+      lines.append(
+        f"| {r['label']} | {p['cluster']} | {_ms(p['sgd'])} ms ({100 * p['sgd_error']:+.0f} %) "
+        f"| {_ms(p['kfac'])} ms ({100 * p['kfac_error']:+.0f} %) |"
+      )
+  return lines
+
+
+def render(results: dict[str, Any]) -> str:
+  """The check's tables: steps and compile, decompositions by size, projections against measured."""
+  env = results["environment"]
+  head = (
+    f"Measured on {env['device']} ({env['devices']} device), Python {env['python']}, JAX "
+    f"{env['jax']}, Flax {env['flax']}, Optax {env['optax']}. {results.get('provenance', '')}"
+  )
+  parts = [head.strip(), "", *_steps_table(results["models"]), ""]
+  parts += [*_decomposition_table(results["models"]), ""]
+  projected = _projection_table(results["models"], env["device"])
+  if len(projected) > 2:
+    parts += ["Projected against measured (the error in brackets):", "", *projected]
+  return "\n".join(parts).rstrip()
