@@ -39,6 +39,7 @@ import jax
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import kaisa_jax
 from benchmarks import production
 from kaisa_jax import cluster as cluster_lib
 from kaisa_jax.analysis import projection
@@ -85,87 +86,77 @@ def flop_ratio(sgd: projection.ProgramCost, work: projection.KFACWork, cadence) 
   return kfac / total(sgd)
 
 
-def check_model(
-  name: str, batch: int, steps: int, repeats: int, project: bool = True
-) -> dict[str, Any]:
-  """Every figure of the module docstring for one model; prints them as they come."""
-  start = time.perf_counter()
-  s = production.setup(name, batch)
-  say(f"\n== {s.shape.label}, batch {batch} (set up in {time.perf_counter() - start:.1f} s)")
-  row: dict[str, Any] = {"model": name, "label": s.shape.label, "batch": batch}
-  sgd_fn, sgd_carry = production.sgd_step(s)
-  kfac_fn, kfac_carry, kfac = production.kfac_step(s, CADENCES[0])
-  plan = kfac.plan
-  row["layers"] = len(plan.layers)
-  row["treatments"] = sorted({str(t) for _, t in plan.layers})
-  row["stacks"] = len(plan.layout.all_stacks())
-  say(f"  plan: {row['layers']} layers, {row['stacks']} stacks, treatments {row['treatments']}")
-
-  sgd_compiled, row["sgd_compile"] = compile_row("SGD", sgd_fn, sgd_carry, s.batch)
-  kfac_compiled, row["kfac_compile"] = compile_row("K-FAC", kfac_fn, kfac_carry, s.batch)
+def _compiled(row: dict[str, Any], s: production.Setup, sgd, kfac) -> tuple[Any, Any]:
+  """Compiles both steps, recording their compile times and memory."""
+  sgd_compiled, row["sgd_compile"] = compile_row("SGD", *sgd, s.batch)
+  kfac_compiled, row["kfac_compile"] = compile_row("K-FAC", *kfac, s.batch)
   row["sgd_memory"] = production.memory_bytes(sgd_compiled)
   row["kfac_memory"] = production.memory_bytes(kfac_compiled)
   say(
     f"  memory of a step (arguments, outputs, temporaries): SGD {row['sgd_memory'] / 2**30:.2f}"
     f" GiB, K-FAC {row['kfac_memory'] / 2**30:.2f} GiB"
   )
+  return sgd_compiled, kfac_compiled
 
-  sgd_seconds, sgd_losses = production.step_seconds(sgd_compiled, sgd_carry, s.batch, 30)
+
+def _timed_steps(row, s: production.Setup, sgd, kfac, steps: int) -> float | None:
+  """Times SGD's steps and K-FAC's step by step; returns the mean of a whole (10, 100) cycle."""
+  sgd_seconds, sgd_losses = production.step_seconds(*sgd, s.batch, 30)
   t_sgd = float(np.median(sgd_seconds[1:]))
-  kfac_seconds, losses = production.step_seconds(kfac_compiled, kfac_carry, s.batch, steps)
+  kfac_seconds, losses = production.step_seconds(*kfac, s.batch, steps)
   phases = production.phase_seconds(kfac_seconds, CADENCES[0])
-  cycle = CADENCES[0][1]
-  measured = float(np.mean(kfac_seconds[1 : cycle + 1])) if steps > cycle else None
   row |= {"sgd_step": t_sgd, "phases": phases, "losses": losses[:11], "sgd_losses": sgd_losses[:11]}
   by_phase = ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in phases.items())
   say(f"  SGD step {1e3 * t_sgd:.2f} ms; K-FAC steps by phase: {by_phase}")
   say(f"  losses, steps 0 and 10: K-FAC {losses[0]:.4f} -> {losses[10]:.4f}", end="")
   say(f"; SGD {sgd_losses[0]:.4f} -> {sgd_losses[10]:.4f}")
+  cycle = CADENCES[0][1]
+  return float(np.mean(kfac_seconds[1 : cycle + 1])) if steps > cycle else None
 
-  if not project:
-    row["cadences"] = [
-      {"cadence": list(c), "kfac_step": production.amortised(phases, c)} for c in CADENCES
-    ]
-    say("  cadences (ms):", [round(1e3 * c["kfac_step"], 2) for c in row["cadences"]])
-  if project:
-    start = time.perf_counter()
-    grad_fn = production.grad_fn(s)
-    _, grads, curvature = grad_fn(s.params, s.state, s.batch)
-    work = projection.kfac_work(kfac, kfac_carry[2][0], grads, curvature, *CADENCES[0])
-    sgd_cost = projection.program_cost(sgd_compiled)
-    kfac_cost = projection.program_cost(kfac_compiled)
-    say(f"  phases compiled alone for the flop count in {time.perf_counter() - start:.1f} s")
-    row["flops"] = {
-      name: {"xla": c.flops, "lapack": c.lapack_flops, "bytes": c.bytes, "kernels": c.kernels}
-      for name, c in (
-        ("sgd", sgd_cost),
-        ("kfac_step", kfac_cost),
-        ("factors", work.factors),
-        ("decompositions", work.decompositions),
-        ("preconditioning", work.preconditioning),
-      )
-    }
-    row["cadences"] = []
-    for cadence in CADENCES:
-      t = production.amortised(phases, cadence)
-      entry = {
-        "cadence": list(cadence),
-        "kfac_step": t,
-        "ratio": t / t_sgd,
-        "flop_ratio": flop_ratio(sgd_cost, work, cadence),
-      }
-      if cadence == CADENCES[0] and measured is not None:
-        entry |= {"measured_cycle": measured, "measured_ratio": measured / t_sgd}
-      row["cadences"].append(entry)
-      say(
-        f"  cadence {cadence}: K-FAC {1e3 * t:.2f} ms ({entry['ratio']:.2f}x SGD), flop ratio "
-        f"{entry['flop_ratio']:.2f}x"
-        + (f"; whole cycle measured {1e3 * measured:.2f} ms" if "measured_cycle" in entry else "")
-      )
 
-  row["decompositions"] = production.decomposition_seconds(
-    production.factor_sizes(kfac), repeats=repeats
-  )
+def _costs(row, s: production.Setup, kfac, kfac_state, sgd_compiled, kfac_compiled) -> tuple:
+  """Each program's cost (XLA's count; LAPACK added), K-FAC's phases compiled alone."""
+  start = time.perf_counter()
+  _, grads, curvature = production.grad_fn(s)(s.params, s.state, s.batch)
+  work = projection.kfac_work(kfac, kfac_state, grads, curvature, *CADENCES[0])
+  sgd_cost = projection.program_cost(sgd_compiled)
+  kfac_cost = projection.program_cost(kfac_compiled)
+  say(f"  phases compiled alone for the flop count in {time.perf_counter() - start:.1f} s")
+  row["flops"] = {
+    name: {"xla": c.flops, "lapack": c.lapack_flops, "bytes": c.bytes, "kernels": c.kernels}
+    for name, c in (
+      ("sgd", sgd_cost),
+      ("kfac_step", kfac_cost),
+      ("factors", work.factors),
+      ("decompositions", work.decompositions),
+      ("preconditioning", work.preconditioning),
+    )
+  }
+  return sgd_cost, kfac_cost, work
+
+
+def _cadences(row, measured: float | None, sgd_cost, work) -> None:
+  """K-FAC's mean step at each cadence, over SGD's, and the flop ratio where counted."""
+  row["cadences"] = []
+  for cadence in CADENCES:
+    t = production.amortised(row["phases"], cadence)
+    entry: dict[str, Any] = {"cadence": list(cadence), "kfac_step": t, "ratio": t / row["sgd_step"]}
+    if work is not None:
+      entry["flop_ratio"] = flop_ratio(sgd_cost, work, cadence)
+    if cadence == CADENCES[0] and measured is not None:
+      entry |= {"measured_cycle": measured, "measured_ratio": measured / row["sgd_step"]}
+    row["cadences"].append(entry)
+    say(
+      f"  cadence {cadence}: K-FAC {1e3 * t:.2f} ms ({entry['ratio']:.2f}x SGD)"
+      + (f", flop ratio {entry['flop_ratio']:.2f}x" if "flop_ratio" in entry else "")
+      + (f"; whole cycle measured {1e3 * measured:.2f} ms" if "measured_cycle" in entry else "")
+    )
+
+
+def _decompositions(row, kfac: kaisa_jax.KFAC, repeats: int) -> None:
+  """Each factor size decomposed alone, each stack as the step does, the spread over 8."""
+  sizes = production.factor_sizes(kfac)
+  row["decompositions"] = production.decomposition_seconds(sizes, repeats=repeats)
   for d in row["decompositions"]:
     say(
       f"  size {d['size']:>6}: eigh {1e3 * d['eigen']:9.2f} ms, inverse {1e3 * d['inverse']:9.2f} ms"
@@ -175,8 +166,33 @@ def check_model(
   say(f"  every stack decomposed once, one batched call per side: {total:.2f} s in all")
   row["spread_8"] = production.spread(kfac, 8)
 
+
+def check_model(
+  name: str, batch: int, steps: int, repeats: int, project: bool = True
+) -> dict[str, Any]:
+  """Every figure of the module docstring for one model; prints them as they come."""
+  start = time.perf_counter()
+  s = production.setup(name, batch)
+  say(f"\n== {s.shape.label}, batch {batch} (set up in {time.perf_counter() - start:.1f} s)")
+  sgd_fn, sgd_carry = production.sgd_step(s)
+  kfac_fn, kfac_carry, kfac = production.kfac_step(s, CADENCES[0])
+  plan = kfac.plan
+  row: dict[str, Any] = {
+    "model": name,
+    "label": s.shape.label,
+    "batch": batch,
+    "layers": len(plan.layers),
+    "treatments": sorted({str(t) for _, t in plan.layers}),
+    "stacks": len(plan.layout.all_stacks()),
+  }
+  say(f"  plan: {row['layers']} layers, {row['stacks']} stacks, treatments {row['treatments']}")
+  sgd_c, kfac_c = _compiled(row, s, (sgd_fn, sgd_carry), (kfac_fn, kfac_carry))
+  measured = _timed_steps(row, s, (sgd_c, sgd_carry), (kfac_c, kfac_carry), steps)
+  costs = _costs(row, s, kfac, kfac_carry[2][0], sgd_c, kfac_c) if project else (None,) * 3
+  _cadences(row, measured, costs[0], costs[2])
+  _decompositions(row, kfac, repeats)
   if project:
-    row["projections"] = projections(sgd_cost, kfac_cost, work, t_sgd, phases)
+    row["projections"] = projections(*costs, row["sgd_step"], row["phases"])
   return row
 
 
@@ -230,10 +246,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   if args.out is not None:
     args.out.write_text(json.dumps(results, indent=1))
   return results
-
-
-if __name__ == "__main__":
-  main()
 
 
 def _ms(seconds: float | None) -> str:
@@ -328,3 +340,7 @@ def render(results: dict[str, Any]) -> str:
   if len(projected) > 2:
     parts += ["Projected against measured (the error in brackets):", "", *projected]
   return "\n".join(parts).rstrip()
+
+
+if __name__ == "__main__":
+  main()
