@@ -44,7 +44,7 @@ import matplotlib.pyplot as plt
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kaisa_jax
-from benchmarks import generated
+from benchmarks import generated, gpu_check
 from experiments import optimizers, tasks
 from experiments.report import NAMES
 from experiments.train import make_step
@@ -193,7 +193,58 @@ def best_ratio(row: dict[str, Any]) -> float | None:
   return min(kfac) / min(base) if base and kfac else None
 
 
-def table(result: dict[str, Any], presets: list[str]) -> str:
+CHECK = "gpu_check.json"  # under benchmarks/results/: projected against measured on a GPU
+
+
+def measured_errors(check: dict[str, Any], presets: list[str]) -> dict[str, float | None]:
+  """Per preset, the largest error of its projected steps against those measured on its GPU.
+
+  From ``benchmarks/gpu_check.py``'s results (SGD's and K-FAC's steps of each model, one device);
+  None for a preset whose GPU has not been measured.
+  """
+  device = check["environment"]["device"]
+  errors: dict[str, float | None] = {}
+  for preset in presets:
+    found = [
+      abs(row[key])
+      for model in check["models"].values()
+      for row in model.get("projections", [])
+      if row["cluster"] == preset and gpu_check.comparable(preset, device)
+      for key in ("sgd_error", "kfac_error")
+    ]
+    errors[preset] = max(found) if found else None
+  return errors
+
+
+def established(ratio: float | None, error: float | None) -> str:
+  """Whether K-FAC's projected advantage (``1 - ratio``) exceeds the projection's measured error."""
+  if ratio is None:
+    return "n/a"
+  if ratio >= 1.0:
+    return "no advantage"
+  if error is None:
+    return "not established (preset never measured)"
+  return (
+    "yes"
+    if 1.0 - ratio > error
+    else f"not established ({100 * (1 - ratio):.0f} % < {100 * error:.0f} %)"
+  )
+
+
+def error_text(preset: str, error: float | None) -> str:
+  if error is None:
+    return (
+      f"No projection on {preset.split(' (')[0]} has been checked against a measured step, so "
+      "no advantage projected on it is established."
+    )
+  return (
+    f"Measured error of this preset's projection: up to {100 * error:.0f} % "
+    "(`benchmarks/gpu_check.py` on one of its GPUs, [production shapes](production.md)); an "
+    "advantage smaller than that is not established."
+  )
+
+
+def table(result: dict[str, Any], presets: list[str], errors: dict[str, float | None]) -> str:
   """One task's projections as Markdown: per preset, each optimizer's best time per N."""
   names = result["names"]
   lines = []
@@ -202,8 +253,12 @@ def table(result: dict[str, Any], presets: list[str]) -> str:
       f"**{result['task']}, PROJECTED on {preset}** (seconds to target = measured steps x "
       "projected seconds per step; best global batch B per N)",
       "",
-      "| N | " + " | ".join(NAMES.get(n, n) for n in names) + " | best K-FAC / best baseline |",
-      "|---" * (len(names) + 2) + "|",
+      error_text(preset, errors.get(preset)),
+      "",
+      "| N | "
+      + " | ".join(NAMES.get(n, n) for n in names)
+      + " | best K-FAC / best baseline | advantage established |",
+      "|---" * (len(names) + 3) + "|",
     ]
     for n, row in result["best"][preset].items():
       cells = []
@@ -216,7 +271,8 @@ def table(result: dict[str, Any], presets: list[str]) -> str:
         cells.append(f"{r['seconds']:.3g} s (B={r['batch']}{f})")
       ratio = result["ratios"][preset][n]
       ratio_text = "n/a" if ratio is None else f"{ratio:.2f}x"
-      lines.append(f"| {n} | " + " | ".join(cells) + f" | {ratio_text} |")
+      verdict = established(ratio, errors.get(preset))
+      lines.append(f"| {n} | " + " | ".join(cells) + f" | {ratio_text} | {verdict} |")
     lines.append("")
   linearity = result["linearity"] or 0
   lines.append(
@@ -227,8 +283,12 @@ def table(result: dict[str, Any], presets: list[str]) -> str:
 
 
 def render(results: dict[str, Any]) -> str:
-  """Every task's tables (what the script prints, and the block ``projected time to target``)."""
-  return "\n\n".join(table(result, results["presets"]) for result in results["tasks"])
+  """Every task's tables (what the script prints, and the block ``projected time to target``).
+
+  Each preset's measured error comes from the committed `CHECK` results.
+  """
+  errors = measured_errors(generated.load(CHECK), results["presets"])
+  return "\n\n".join(table(result, results["presets"], errors) for result in results["tasks"])
 
 
 def figure(result: dict[str, Any], presets: list[str], path: Path) -> None:

@@ -75,3 +75,25 @@ def test_stacks_of_several_members_decompose_with_either_method():
     ("G", 6, "inverse"),
   ]
   assert all(r["seconds"] > 0 for r in rows)
+
+
+def test_a_projected_advantage_counts_only_beyond_the_measured_error():
+  from benchmarks import projected_time_to_target as ptt
+
+  h100, a100 = "DGX H100 (8x H100-SXM5-80GB)", "DGX A100 (8x A100-SXM4-80GB)"
+  check = {
+    "environment": {"device": "gpu: NVIDIA H100 80GB HBM3"},
+    "models": {
+      "a": {"projections": [{"cluster": h100, "sgd_error": -0.49, "kfac_error": -0.79}]},
+      "b": {"projections": [{"cluster": h100, "sgd_error": 0.1, "kfac_error": 0.3}]},
+      # a preset measured on another GPU's kind does not count for it
+      "c": {"projections": [{"cluster": a100, "sgd_error": 0.01, "kfac_error": 0.02}]},
+    },
+  }
+  errors = ptt.measured_errors(check, [h100, a100])
+  assert errors == {h100: pytest.approx(0.79), a100: None}
+  assert ptt.established(0.7, errors[h100]) == "not established (30 % < 79 %)"
+  assert ptt.established(0.2, errors[h100]) == "yes"
+  assert ptt.established(0.2, errors[a100]) == "not established (preset never measured)"
+  assert ptt.established(1.1, errors[h100]) == "no advantage"
+  assert ptt.established(None, errors[h100]) == "n/a"
