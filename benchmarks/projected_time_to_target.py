@@ -146,6 +146,14 @@ def seconds_per_step(c: Costs, cluster: kaisa_jax.Cluster, n: int, layers: kaisa
   return t.total, plan.recommended
 
 
+def flat(cost: projection.ProgramCost) -> list[float]:
+  """A cost's figures as one list, its matrix products' flops summed over their sizes.
+
+  The sizes are not compared one by one: a product moves between them as the batch grows.
+  """
+  return [sum(f) if isinstance(f, tuple) else f for f in cost]
+
+
 def project_task(task_name: str, lines: list[dict[str, Any]]) -> dict[str, Any]:
   """Per preset, N and optimizer: the fastest projected time to target over the study's batches."""
   task = tasks.TASKS[task_name]()
@@ -161,7 +169,9 @@ def project_task(task_name: str, lines: list[dict[str, Any]]) -> dict[str, Any]:
     if check is None and big // 8 not in (small, big):  # linearity, once per task
       mid = costs(task, name, line["chosen"], big // 8, 8)
       guess = between(lo, hi, small, big, big // 8).step
-      check = max(abs(g - m) / max(m, 1.0) for g, m in zip(guess, mid.step, strict=True))
+      check = max(
+        abs(g - m) / max(m, 1.0) for g, m in zip(flat(guess), flat(mid.step), strict=True)
+      )
     for n in (n for n in DEVICES if big % n == 0):
       b = big // n
       c = between(lo, hi, small, big, b)
@@ -340,7 +350,8 @@ def main() -> None:
       )
       continue
     result = project_task(name, lines)
-    print(table(result, results["presets"]) + "\n")
+    errors = measured_errors(generated.load(CHECK), results["presets"])
+    print(table(result, results["presets"], errors) + "\n")
     results["tasks"].append(result)
   if args.publish and results["tasks"]:
     for path in generated.publish(RESULTS, results):
