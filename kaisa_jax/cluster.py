@@ -120,11 +120,18 @@ PRESETS = {"dgx_a100": DGX_A100, "dgx_h100": DGX_H100}
 
 
 def cluster_of(device: Any) -> Cluster:
-  """The preset for a device's kind (A100, H100); raises for any other kind."""
+  """The preset for a device's kind (A100, H100); raises for any other kind.
+
+  Its memory is what the device reports JAX may use (``memory_stats()["bytes_limit"]``) where it
+  reports it: an A100 of 40 GB, or a process given a fraction of the device
+  (``XLA_PYTHON_CLIENT_MEM_FRACTION``), is planned with what it has, not the preset's 80 GB.
+  """
   kind = getattr(device, "device_kind", str(device))
   for key, preset in (("A100", DGX_A100), ("H100", DGX_H100)):
     if key in kind:
-      return preset
+      stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+      limit = (stats or {}).get("bytes_limit")
+      return dataclasses.replace(preset, memory=float(limit)) if limit else preset
   raise ValueError(
     f"no cluster preset for device kind {kind!r} (presets: A100, H100): describe it with "
     "kaisa_jax.Cluster(...) and pass grad_worker_fraction="

@@ -608,3 +608,22 @@ def test_the_readme_example_of_the_planner():
     local, axis_name="batch", axis_size=8, grad_worker_fraction=choice.recommended, lr=0.1
   )
   assert kfac.plan.layout.cols == 1
+
+
+class _Device:
+  """A stand-in for a GPU device: its kind and the memory statistics it reports."""
+
+  def __init__(self, kind, stats):
+    self.device_kind, self._stats = kind, stats
+
+  def memory_stats(self):
+    return self._stats
+
+
+def test_a_device_plans_with_the_memory_it_reports():
+  a100_40gb = cluster_lib.cluster_of(_Device("NVIDIA A100-SXM4-40GB", {"bytes_limit": 30e9}))
+  assert a100_40gb.memory == 30e9
+  assert a100_40gb.flops_per_s == kaisa_jax.DGX_A100.flops_per_s
+  # a device that reports nothing keeps the preset's memory
+  assert cluster_lib.cluster_of(_Device("NVIDIA H100 80GB HBM3", None)) == kaisa_jax.DGX_H100
+  assert cluster_lib.cluster_of(_Device("NVIDIA H100 80GB HBM3", {})) == kaisa_jax.DGX_H100
