@@ -100,6 +100,11 @@ BLOCKS: dict[str, Block] = {
     "python benchmarks/gpu_check.py --out benchmarks/results/gpu_check.json (on the GPU), then "
     "python benchmarks/generated.py",
   ),
+  "production plans": Block(
+    "production_plans.json",
+    "benchmarks.production:render_plans",
+    "python benchmarks/production.py --publish",
+  ),
   "production cpu": Block(
     "production_cpu.json",
     "benchmarks.gpu_check:render",

@@ -186,6 +186,7 @@ def check_model(
     "layers": len(plan.layers),
     "treatments": sorted({str(t) for _, t in plan.layers}),
     "stacks": len(plan.layout.all_stacks()),
+    "plan": str(plan),
   }
   say(f"  plan: {row['layers']} layers, {row['stacks']} stacks, treatments {row['treatments']}")
   sgd_c, kfac_c = _compiled(row, s, (sgd_fn, sgd_carry), (kfac_fn, kfac_carry))

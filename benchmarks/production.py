@@ -20,17 +20,23 @@ labels; a fixed batch is enough for what is measured here:
   of the total);
 * whether ten K-FAC steps lower the loss on the fixed batch.
 
-`benchmarks/gpu_check.py` runs these at batch 32 on one GPU; ``python benchmarks/production.py``
-runs them on this machine (small batches: the figures of a CPU are not a GPU's).
+`benchmarks/gpu_check.py` runs these at batch 32 on one GPU, or at a small batch on this machine.
+``python benchmarks/production.py [--batch 32] [--publish]`` prints each model's plan (``--publish``
+writes ``benchmarks/results/production_plans.json`` and the block ``production plans`` of
+``docs/benchmarks/production.md``).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import statistics
+import sys
 import time
+import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import flax.linen as nn
@@ -373,3 +379,55 @@ def spread(kfac: kaisa_jax.KFAC, devices: int) -> list[dict[str, Any]]:
     fraction = f"{workers}/{devices}"
     rows.append({"fraction": fraction, "decomposition_share": dec, "preconditioning_share": pre})
   return rows
+
+
+PLANS = "production_plans.json"  # under benchmarks/results/
+
+
+def plans(names: list[str], batch: int) -> dict[str, Any]:
+  """Each model's K-FAC plan on one device at ``batch``: every layer, its factors and treatment."""
+  out = {}
+  for name in names:
+    s = setup(name, batch)
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")  # the skipped modules are listed in the plan itself
+      _, _, kfac = kfac_step(s, (10, 100))
+    out[name] = {"label": s.shape.label, "batch": batch, "plan": str(kfac.plan)}
+  return {"provenance": f"python benchmarks/production.py --batch {batch} --publish", **out}
+
+
+def render_plans(results: dict[str, Any]) -> str:
+  """The plans as text, one fenced block per model."""
+  parts = []
+  for name, r in results.items():
+    if name == "provenance":
+      continue
+    parts += [
+      f"**{r['label']}**, batch {r['batch']} on one device:",
+      "",
+      "```text",
+      r["plan"],
+      "```",
+      "",
+    ]
+  return "\n".join(parts).rstrip()
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description="K-FAC's plan of each production-shaped model")
+  parser.add_argument("--models", nargs="+", default=["resnet50", "bert_base"])
+  parser.add_argument("--batch", type=int, default=32)
+  parser.add_argument("--publish", action="store_true", help=f"write results/{PLANS} and the page")
+  args = parser.parse_args(argv)
+  results = plans(args.models, args.batch)
+  print(render_plans(results))
+  if args.publish:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import generated
+
+    for path in generated.publish(PLANS, results):
+      print(f"written: {path}")
+
+
+if __name__ == "__main__":
+  main()
