@@ -242,15 +242,6 @@ def kfac_step(
   return step, (s.params, s.state, tx.init(s.params)), kfac
 
 
-def compile_seconds(step: Callable, carry: tuple, batch: Any) -> dict[str, Any]:
-  """Seconds to trace and lower ``jax.jit(step)``, then to compile it; and the compiled step."""
-  start = time.perf_counter()
-  lowered = jax.jit(step, donate_argnums=(0, 1, 2)).trace(*carry, batch).lower()
-  traced = time.perf_counter() - start
-  compiled = lowered.compile()
-  return {"lower": traced, "compile": time.perf_counter() - start - traced, "compiled": compiled}
-
-
 def memory_bytes(compiled: Any) -> float:
   """Bytes a compiled step holds while it runs: its arguments, outputs and temporaries.
 

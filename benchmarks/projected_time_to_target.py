@@ -342,6 +342,7 @@ def main() -> None:
     "presets": [p.name for p in PRESETS],
     "tasks": [],
   }
+  errors = measured_errors(generated.load(CHECK), results["presets"])
   for name in args.tasks:
     lines = load(args.scaling, name)
     if not lines:
@@ -350,7 +351,6 @@ def main() -> None:
       )
       continue
     result = project_task(name, lines)
-    errors = measured_errors(generated.load(CHECK), results["presets"])
     print(table(result, results["presets"], errors) + "\n")
     results["tasks"].append(result)
   if args.publish and results["tasks"]:
