@@ -94,10 +94,22 @@ BLOCKS: dict[str, Block] = {
   "projected step time": Block(
     "projection.json", "benchmarks.projection:render", "python benchmarks/projection.py --publish"
   ),
+  "device drift": Block(
+    "device_drift.json",
+    "benchmarks.device_drift:render",
+    "python benchmarks/device_drift.py --publish",
+  ),
   "gpu check": Block(
     "gpu_check.json",
     "benchmarks.gpu_check:render",
     "python benchmarks/gpu_check.py --out benchmarks/results/gpu_check.json (on the GPU), then "
+    "python benchmarks/generated.py",
+  ),
+  "gpu check autotuning off": Block(
+    "gpu_check_autotune0.json",
+    "benchmarks.gpu_check:render",
+    "XLA_FLAGS=--xla_gpu_autotune_level=0 python benchmarks/gpu_check.py --models resnet50 "
+    "--steps 11 --repeats 1 --out benchmarks/results/gpu_check_autotune0.json (on the GPU), then "
     "python benchmarks/generated.py",
   ),
   "production plans": Block(
