@@ -60,6 +60,14 @@ BLOCKS: dict[str, Block] = {
   "robustness": Block(
     "robustness.json", "benchmarks.robustness:report", "python benchmarks/robustness.py --page"
   ),
+  "robustness targets": Block(
+    "robustness.json", "benchmarks.robustness:readme", "python benchmarks/robustness.py --page"
+  ),
+  "adaptive damping": Block(
+    "adaptive_damping.json",
+    "benchmarks.adaptive_damping:render",
+    "python benchmarks/adaptive_damping.py",
+  ),
   "results table": Block(
     "experiments.json",
     "experiments.report:summary_markdown",

@@ -9,7 +9,12 @@ other experiment or test tunes anything on):
    is the one with the lowest final loss averaged over the seeds;
 2. K-FAC chained with that optimizer at the tuned rate, every other argument
    at its default, for each damping form (``"relative"``, ``"pi"``,
-   ``"kaisa"``) and each damping in `DAMPINGS`, from the same seeds.
+   ``"kaisa"``) and each damping in `DAMPINGS`, from the same seeds;
+3. K-FAC at its defaults (`kaisa_jax.kfac` given only ``layers`` and ``lr``)
+   with its own learning rate, tuned by the same rule on the same grid, then
+   each damping of `DAMPINGS` at that rate (`tune_kfac`). The targets are read
+   from these runs (`targets`): at its defaults K-FAC ends at or below the
+   baseline, and every damping from 1e-4 to 1e-1 within 2x of the best.
 
 The final loss of a run is the mean training loss of its last
 `experiments.suite.TAIL` steps (minibatch losses, dropout included). Every run
@@ -24,17 +29,21 @@ The runs of one problem and optimizer are one compiled program
 the grid costs one compilation per problem and form.
 
 Results go to ``benchmarks/results/robustness.json`` (``--out`` another file);
-``--table`` prints the tables from it without training (`report`): per form,
+``--table`` prints the tables from it without training (`report`): K-FAC at
+its defaults and its own rate against the baseline, over the dampings, and the
+targets (`readme`, also README.md's block); per form,
 K-FAC's final loss over the tuned baseline's for each problem and damping; per
 form and damping, the wins and the worst and typical ratio over the problems;
 per form, the spread over `DAMPINGS`; the runs grouped by their relative
 damping. ``--page`` writes them into docs/benchmarks/robustness.md (its block
-``robustness``, `benchmarks.generated`), ``--figure PATH`` draws them.
+``robustness``) and README.md (``robustness targets``, `benchmarks.generated`),
+``--figure PATH`` draws them.
 
 Run: ``python benchmarks/robustness.py [--problems vit gru ...] [--seeds 3]``
-(about two hours on 2 CPU cores for the whole suite, most of it the BatchNorm
-ResNet); more dampings for some forms, keeping the tuned baselines:
-``--forms pi relative --dampings 1 10 100 --reuse-baseline``.
+(about two and a half hours on 2 CPU cores for the whole suite); more dampings
+for some forms, keeping the tuned baselines: ``--forms pi relative --dampings 1
+10 100 --reuse-baseline``; only step 3, keeping the rest: ``--forms
+--reuse-baseline``.
 """
 
 from __future__ import annotations
@@ -56,6 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kaisa_jax
 from benchmarks import generated
 from experiments import suite
+from kaisa_jax import preconditioning
 
 RESULTS = Path(__file__).parent / "results" / "robustness.json"
 STEPS = 300
@@ -96,16 +106,22 @@ def mean(values: list[float]) -> float:
   return float(np.mean(values)) if all(map(math.isfinite, values)) else math.inf
 
 
-def tune_baseline(problem: suite.Problem, seeds: int, log) -> dict[str, list[float]]:
-  """Final losses per learning rate; the grid grows past a winning end."""
-  run = suite.make_run(problem, None)
+def tune_lr(
+  run, problem: suite.Problem, seeds: int, log, label: str, damping: float | None = None
+) -> dict[str, list[float]]:
+  """Final losses per learning rate; the grid grows past a winning end.
+
+  The grid starts at `LEARNING_RATES` of the problem's optimizer; whenever its lowest or
+  highest rate wins (the lowest mean final loss over the seeds), one more rate, a third or three
+  times that end, is trained, at most `MAX_EXTENSIONS` times.
+  """
   grid = list(LEARNING_RATES[problem.optimizer])
   results: dict[str, list[float]] = {}
   for _ in range(MAX_EXTENSIONS + 1):
     for lr in grid:
       if repr(lr) not in results:
-        results[repr(lr)] = train_seeds(run, problem, seeds, lr, None)[0]
-        log(f"  {problem.optimizer} lr={lr:g}: {mean(results[repr(lr)]):.4g}")
+        results[repr(lr)] = train_seeds(run, problem, seeds, lr, damping)[0]
+        log(f"  {label} lr={lr:g}: {mean(results[repr(lr)]):.4g}")
     best = min(grid, key=lambda lr: mean(results[repr(lr)]))
     if best == grid[0]:
       grid.insert(0, float(f"{grid[0] / 3:.3g}"))
@@ -116,6 +132,26 @@ def tune_baseline(problem: suite.Problem, seeds: int, log) -> dict[str, list[flo
   return results
 
 
+def best_lr(by_lr: dict[str, list[float]]) -> float:
+  """The learning rate of the lowest mean final loss."""
+  return float(min(by_lr, key=lambda k: mean(by_lr[k])))
+
+
+def tune_kfac(problem: suite.Problem, seeds: int, log) -> dict[str, Any]:
+  """K-FAC at its defaults (`kaisa_jax.kfac` given only ``layers`` and ``lr``): its learning rate
+  tuned by the baseline's rule (`tune_lr`), then every damping of `DAMPINGS` at that rate."""
+  run = suite.make_run(problem, {})
+  default = preconditioning.DEFAULT_DAMPING
+  by_lr = tune_lr(run, problem, seeds, log, "kfac (defaults)", default)
+  lr = best_lr(by_lr)
+  dampings = {repr(default): by_lr[repr(lr)]}
+  for d in DAMPINGS:
+    if repr(d) not in dampings:
+      dampings[repr(d)] = train_seeds(run, problem, seeds, lr, d)[0]
+      log(f"  kfac (defaults) lr={lr:g} damping={d:g}: {mean(dampings[repr(d)]):.4g}")
+  return {"by_lr": by_lr, "lr": lr, "dampings": dampings}
+
+
 def run_problem(
   name: str,
   seeds: int,
@@ -124,14 +160,14 @@ def run_problem(
   dampings: tuple[float, ...] = DAMPINGS,
   previous: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-  """Tunes the baseline (or reuses ``previous``'s) and trains K-FAC at ``forms`` x ``dampings``."""
+  """Tunes the baseline (or reuses ``previous``'s), trains K-FAC at ``forms`` x ``dampings`` at the
+  baseline's rate, and K-FAC at its defaults at its own tuned rate (`tune_kfac`)."""
   problem = suite.SUITE[name]()
   start = time.perf_counter()
   out = {"kfac": {}, "curvature": {}, "seconds": 0.0, **(previous or {})}
   if previous is None:
-    out["baseline"] = tune_baseline(problem, seeds, log)
-    lr = min(out["baseline"], key=lambda k: mean(out["baseline"][k]))
-    out |= {"optimizer": problem.optimizer, "lr": float(lr)}
+    out["baseline"] = tune_lr(suite.make_run(problem, None), problem, seeds, log, problem.optimizer)
+    out |= {"optimizer": problem.optimizer, "lr": best_lr(out["baseline"])}
   log(f"  tuned {problem.optimizer} lr={out['lr']}: {mean(out['baseline'][repr(out['lr'])]):.4g}")
   for form in forms:
     run = suite.make_run(problem, {"damping_form": form})
@@ -141,6 +177,7 @@ def run_problem(
       out["kfac"].setdefault(form, {})[key] = losses
       out["curvature"].setdefault(form, {})[key] = curvature
       log(f"  kfac {form} damping={damping:g}: {mean(losses):.4g}")
+  out["tuned"] = tune_kfac(problem, seeds, log)
   out["seconds"] += time.perf_counter() - start
   return out
 
@@ -222,6 +259,75 @@ def spread_table(results: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
+def _with_range(losses: list[float]) -> str:
+  """The mean over the seeds, with their lowest and highest."""
+  if not all(map(math.isfinite, losses)):
+    return "diverged"
+  return f"{mean(losses):.3g} ({min(losses):.3g} to {max(losses):.3g})"
+
+
+def tuned_rows(results: dict[str, Any]) -> dict[str, dict[str, float]]:
+  """Per problem with K-FAC tuned (`tune_kfac`): K-FAC's final loss at its defaults over the
+  baseline's (``ratio``), and the worst over the best final loss across `DAMPINGS` (``spread``)."""
+  rows = {}
+  for name, r in results["problems"].items():
+    if "tuned" in r:
+      t = r["tuned"]
+      base = mean(r["baseline"][repr(r["lr"])])
+      finals = [mean(t["dampings"][repr(d)]) for d in DAMPINGS]
+      default = mean(t["dampings"][repr(preconditioning.DEFAULT_DAMPING)])
+      rows[name] = {"ratio": default / base, "spread": max(finals) / min(finals)}
+  return rows
+
+
+def tuned_table(results: dict[str, Any]) -> str:
+  """K-FAC at its defaults, at its own tuned rate, against the tuned baseline; and over the
+  dampings at that rate."""
+  default = preconditioning.DEFAULT_DAMPING
+  rows = tuned_rows(results)
+  lines = [
+    "| model | baseline: lr, final loss (seeds' range) | K-FAC: lr, final loss (seeds' range) "
+    "| ratio | " + " | ".join(f"damping {d:g}" for d in DAMPINGS) + " | worst over best |",
+    "|---|---|---|---:|" + "---:|" * (len(DAMPINGS) + 1),
+  ]
+  for name, row in rows.items():
+    r = results["problems"][name]
+    t = r["tuned"]
+    base = mean(r["baseline"][repr(r["lr"])])
+    cells = [_ratio(mean(t["dampings"][repr(d)]) / base) for d in DAMPINGS]
+    lines.append(
+      f"| {name} | {r['optimizer']} {r['lr']:g}, {_with_range(r['baseline'][repr(r['lr'])])} "
+      f"| {t['lr']:g}, {_with_range(t['dampings'][repr(default)])} | {_ratio(row['ratio'])} | "
+      + " | ".join(cells)
+      + f" | {_ratio(row['spread'])} |"
+    )
+  return "\n".join(lines)
+
+
+def targets(results: dict[str, Any]) -> str:
+  """Which problems meet each target, from K-FAC at its own tuned rate."""
+  rows = tuned_rows(results)
+
+  def verdict(key: str, bound: float) -> str:
+    misses = {name: row[key] for name, row in rows.items() if not row[key] <= bound}
+    text = f"met on {len(rows) - len(misses)} of {len(rows)}"
+    if misses:
+      text += "; missed on " + ", ".join(f"{n} ({_ratio(x)}x)" for n, x in misses.items())
+    return text
+
+  return (
+    "- Target 1, K-FAC at its defaults (only `lr` chosen, on the baseline's grid) at or below the "
+    f"tuned baseline's final loss: {verdict('ratio', 1.0)}.\n"
+    "- Target 2, at that rate, every damping from 1e-4 to 1e-1 within 2x of the best one's "
+    f"final loss: {verdict('spread', 2.0)}."
+  )
+
+
+def readme(results: dict[str, Any]) -> str:
+  """K-FAC at its defaults against each tuned baseline, and the targets (README's block)."""
+  return tuned_table(results) + "\n\n" + targets(results)
+
+
 # Decades of the relative damping by which `curvature_table` groups the runs.
 DECADES = (1e-6, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0, 1e3, 1e4)
 
@@ -259,6 +365,16 @@ def report(results: dict[str, Any]) -> str:
     f"{results['tail']}; each cell: K-FAC's mean final loss over the tuned baseline's "
     "(below 1: K-FAC ahead).",
   ]
+  if tuned_rows(results):
+    parts += [
+      "K-FAC at its defaults (damping form "
+      f"`{preconditioning.DEFAULT_FORM}`, damping {preconditioning.DEFAULT_DAMPING:g}), its "
+      "learning rate tuned on the baseline's grid by the same rule; ratio: its final loss over the "
+      "baseline's; then each damping at that rate, over the baseline's:",
+      tuned_table(results),
+      targets(results),
+      "The tables below run K-FAC at the baseline's learning rate.",
+    ]
   for form in FORMS:
     parts += [f"Damping form `{form}`:", form_table(results, form)]
   parts += [
@@ -289,6 +405,11 @@ def figure(results: dict[str, Any], path: Path) -> None:
     for form in FORMS:
       dampings = [d for d in dampings_of(results, form) if repr(d) in r["kfac"][form]]
       ax.plot(dampings, [ratio(r, form, d) for d in dampings], "o-", label=form)
+    if "tuned" in r:
+      base = mean(r["baseline"][repr(r["lr"])])
+      tuned = [mean(r["tuned"]["dampings"][repr(d)]) / base for d in DAMPINGS]
+      label = f"{preconditioning.DEFAULT_FORM}, K-FAC's own lr"
+      ax.plot(DAMPINGS, tuned, "k*--", label=label)
     ax.axhline(1.0, color="gray", lw=1, ls="--")
     ax.set(xscale="log", yscale="log", title=name, xlabel="damping")
   for ax in axes.flat[len(problems) :]:
@@ -300,6 +421,7 @@ def figure(results: dict[str, Any], path: Path) -> None:
 
 
 BLOCK = "robustness"  # the block of docs/benchmarks/robustness.md that `report` writes
+README_BLOCK = "robustness targets"  # README.md's, which `readme` writes
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -308,7 +430,13 @@ def main(argv: list[str] | None = None) -> None:
     "--problems", nargs="+", choices=sorted(suite.SUITE), default=list(suite.SUITE)
   )
   parser.add_argument("--seeds", type=int, default=3)
-  parser.add_argument("--forms", nargs="+", choices=FORMS, default=list(FORMS))
+  parser.add_argument(
+    "--forms",
+    nargs="*",
+    choices=FORMS,
+    default=list(FORMS),
+    help="forms trained at the baseline's rate (none: only K-FAC at its own tuned rate)",
+  )
   parser.add_argument("--dampings", nargs="+", type=float, default=list(DAMPINGS))
   parser.add_argument(
     "--reuse-baseline",
@@ -320,7 +448,7 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument(
     "--page",
     action="store_true",
-    help="write the tables into docs/benchmarks/robustness.md (every file holding the block)",
+    help="write the tables into docs/benchmarks/robustness.md and README.md (their blocks)",
   )
   parser.add_argument(
     "--out", type=Path, default=RESULTS, help="the results file (read, then updated)"
@@ -346,8 +474,9 @@ def main(argv: list[str] | None = None) -> None:
       args.out.write_text(json.dumps(results, indent=1) + "\n")
   print(report(results))
   if args.page:
-    for path in generated.write(BLOCK, report(results)):
-      print(f"tables written to {path}")
+    for block, text in ((BLOCK, report(results)), (README_BLOCK, readme(results))):
+      for path in generated.write(block, text):
+        print(f"tables written to {path}")
   if args.figure:
     figure(results, args.figure)
 

@@ -44,3 +44,23 @@ def test_default_damping_is_the_benchmarks_best():
     preconditioning.DEFAULT_FORM,
     preconditioning.DEFAULT_DAMPING,
   )
+
+
+def test_kfac_at_its_defaults_is_tuned_like_the_baseline():
+  """K-FAC's learning rate is the best of its grid and, like the baseline's, not an end of it;
+  every damping was then run at that rate from the same seeds."""
+  robustness = _benchmark()
+  results = json.loads(robustness.RESULTS.read_text())
+  readme = (ROOT / "README.md").read_text()
+  assert robustness.generated.body(readme, robustness.README_BLOCK) == robustness.readme(results)
+  for name, r in results["problems"].items():
+    for by_lr, lr in ((r["tuned"]["by_lr"], r["tuned"]["lr"]), (r["baseline"], r["lr"])):
+      rates = sorted(float(k) for k in by_lr)
+      assert lr == robustness.best_lr(by_lr), name
+      assert rates[0] < lr < rates[-1], name
+      assert set(robustness.LEARNING_RATES[r["optimizer"]]) <= set(rates), name
+    dampings = r["tuned"]["dampings"]
+    assert sorted(float(d) for d in dampings) == sorted(robustness.DAMPINGS), name
+    assert all(len(losses) == results["seeds"] for losses in dampings.values()), name
+    default = repr(robustness.preconditioning.DEFAULT_DAMPING)
+    assert dampings[default] == r["tuned"]["by_lr"][repr(r["tuned"]["lr"])], name
