@@ -120,6 +120,12 @@ BLOCKS: dict[str, Block] = {
     "--steps 11 --repeats 1 --out benchmarks/results/gpu_check_autotune0.json (on the GPU), then "
     "python benchmarks/generated.py",
   ),
+  "gpu check bert h200": Block(
+    "gpu_check_bert_h200.json",
+    "benchmarks.gpu_check:render",
+    "python benchmarks/gpu_check.py --models bert_base --steps 11 --repeats 1 --out "
+    "benchmarks/results/gpu_check_bert_h200.json (on the GPU), then python benchmarks/generated.py",
+  ),
   "production plans": Block(
     "production_plans.json",
     "benchmarks.production:render_plans",
