@@ -10,13 +10,16 @@ its summary.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import pathlib
 import re
 import string
 
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from benchmarks import generated
@@ -660,3 +663,89 @@ def test_scale_summary_writes_its_summary_and_publishes_it(tmp_path, capsys, pub
     cli.main([*argv, "--publish"])
   assert not (tmp_path / "scale-summary.md").exists()
   assert results == json.loads((published / "benchmarks" / "results" / "scaling.json").read_text())
+
+
+def test_warmup_schedule_rises_from_0_then_decays_and_none_is_the_cosine():
+  steps = 100
+  plain = optimizers.schedule(optimizers.Optimizer("sgd", 0.1), steps)
+  cosine = optax.cosine_decay_schedule(0.1, steps)
+  for t in range(steps + 1):  # no warmup: today's cosine, bit for bit
+    assert float(plain(t)) == float(cosine(t)), t
+  warm = optimizers.Optimizer("kfac", 0.1, {"damping": 0.01}, warmup=0.05)
+  assert optimizers.warmup_steps(warm, steps) == 5
+  lr = optimizers.schedule(warm, steps)
+  assert float(lr(0)) == 0.0
+  assert float(lr(2)) == pytest.approx(0.04)  # linear: 2/5 of the peak
+  assert float(lr(5)) == pytest.approx(0.1)  # the peak at the end of the warmup
+  assert float(lr(5 + 95 // 2)) < 0.06 and float(lr(steps)) == pytest.approx(0.0)
+  # A warmup lasts at least one step and leaves the decay one.
+  assert optimizers.warmup_steps(dataclasses.replace(warm, warmup=0.01), 10) == 1
+  assert optimizers.warmup_steps(dataclasses.replace(warm, warmup=0.9), 10) == 9
+  # Through `build`: SGD's first step with a warmup does not move.
+  grads = {"w": jnp.array([3.0, 4.0])}
+  tx = optimizers.build(optimizers.Optimizer("sgd", 0.1, warmup=0.05), steps, None)
+  updates, _ = tx.update(grads, tx.init(grads), grads)
+  np.testing.assert_array_equal(updates["w"], [0.0, 0.0])
+
+
+def test_kfac_warmup_keeps_its_kl_clip_at_the_peak_rate(tmp_path):
+  steps = 100
+  warm = optimizers.Optimizer("kfac", 0.1, {"damping": 0.01}, warmup=0.05)
+  lr, told = optimizers.schedule(warm, steps), optimizers.kl_clip_schedule(warm, steps)
+  assert [float(told(t)) for t in range(5)] == [pytest.approx(0.1)] * 5  # the peak, not 0
+  for t in range(5, steps + 1):  # then the chained optimizer's rate exactly
+    assert float(told(t)) == float(lr(t)), t
+  plain = dataclasses.replace(warm, warmup=0.0)
+  for t in range(steps + 1):
+    assert float(optimizers.kl_clip_schedule(plain, steps)(t)) == float(
+      optimizers.schedule(plain, steps)(t)
+    )
+  # Told the warmup, K-FAC's first full step sat in the momentum and blew the loss up (2.4 to 85).
+  opt = dataclasses.replace(warm, warmup=0.1)
+  records = train(small("mnist1d"), opt, 10, 0, 1, tmp_path / "kfac.jsonl", progress=False)
+  losses = [r["train_loss"] for r in records]
+  assert max(losses) == losses[0] and losses[-1] < losses[0]
+
+
+def test_clip_bounds_a_first_order_step_and_kfac_refuses_it():
+  grads = {"w": jnp.array([3e6, 0.0]), "b": jnp.array([4e6])}  # global norm 5e6
+
+  def first_step(opt):
+    tx = optimizers.build(opt, 10, None)
+    updates, _ = tx.update(grads, tx.init(grads), grads)
+    return updates
+
+  clipped = first_step(optimizers.Optimizer("sgd", 0.1, clip=1.0))  # to norm 1, then -lr x
+  np.testing.assert_allclose(clipped["w"], [-0.06, 0.0], rtol=1e-6)
+  np.testing.assert_allclose(clipped["b"], [-0.08], rtol=1e-6)
+  raw = first_step(optimizers.Optimizer("sgd", 0.1))
+  np.testing.assert_allclose(raw["w"], [-3e5, 0.0], rtol=1e-6)
+  small_grads = {"w": jnp.array([0.3, 0.0]), "b": jnp.array([0.4])}  # norm 0.5: left alone
+  tx = optimizers.build(optimizers.Optimizer("adamw", 0.01, clip=1.0), 10, None)
+  plain = optimizers.build(optimizers.Optimizer("adamw", 0.01), 10, None)
+  a = tx.update(small_grads, tx.init(small_grads), small_grads)[0]
+  b = plain.update(small_grads, plain.init(small_grads), small_grads)[0]
+  np.testing.assert_array_equal(a["w"], b["w"])
+  for name in ("kfac", "kfac_adamw"):
+    with pytest.raises(ValueError, match=r"no gradient clip .* for a K-FAC optimizer"):
+      optimizers.Optimizer(name, 0.1, {"damping": 0.01}, clip=1.0)
+    with pytest.raises(ValueError, match="K-FAC optimizer"):
+      optimizers.from_settings(name, {"lr": 0.1, "damping": 0.01, "clip": 1.0})
+  with pytest.raises(ValueError, match="not a positive global norm"):
+    optimizers.Optimizer("sgd", 0.1, clip=0.0)
+  with pytest.raises(ValueError, match=r"not a fraction of the run in \[0, 1\)"):
+    optimizers.Optimizer("sgd", 0.1, warmup=1.0)
+
+
+def test_settings_carry_warmup_and_clip_apart_from_kfac_arguments():
+  kfac = optimizers.from_settings("kfac", {"lr": 0.1, "damping": 0.01, "warmup": 0.05})
+  assert (kfac.kfac, kfac.warmup, kfac.clip) == ({"damping": 0.01}, 0.05, None)
+  assert kfac.settings() == {"lr": 0.1, "warmup": 0.05, "damping": 0.01}
+  assert optimizers.from_settings("kfac", kfac.settings()) == kfac
+  config = kfac.config()
+  assert (config["warmup"], config["clip"], config["damping"]) == (0.05, None, 0.01)
+  sgd = optimizers.from_settings("sgd", {"lr": 0.1, "warmup": 0.05, "clip": 1.0})
+  assert optimizers.from_settings("sgd", sgd.settings()) == sgd
+  plain = optimizers.from_settings("sgd", {"lr": 0.1})  # as sweeps have always written them
+  assert plain.settings() == {"lr": 0.1} and plain == optimizers.Optimizer("sgd", 0.1)
+  assert (plain.config()["warmup"], plain.config()["clip"]) == (0.0, None)
