@@ -54,7 +54,7 @@ SEED_LIMIT = 2**32  # seeds are 0 .. 2**32 - 1
 BLOCK = "results table"  # the README's block that summary writes (benchmarks/generated.py)
 BEGIN, END = generated.begin(BLOCK), generated.end(BLOCK)
 SUMMARY_RESULTS = "experiments.json"  # under benchmarks/results/: what --publish writes
-SCALE_TASKS = ("mnist1d", "resnet", "autoencoder")
+SCALE_TASKS = ("mnist1d", "resnet", "autoencoder", "charlm")
 SCALE_RESULTS = "scaling.json"
 FIGURES = generated.ROOT / "docs" / "figures"  # scale-summary --publish draws scale-TASK.png
 
@@ -360,10 +360,14 @@ def add_scale_modes(mode: Callable[[str, str, str], argparse.ArgumentParser]) ->
     "scale",
     "steps to target against the batch size: each optimizer's critical batch size",
     "At each batch size B, tries each optimizer's learning rates c x sqrt(B/128) x (1/3, 1, 3) "
-    "(c its batch-128 setting) on a validation split, chooses the fewest steps to the target, "
+    f"(c its batch-128 setting), each plain and stabilised (warmup {scale.WARMUP * 100:g} % of "
+    f"the steps; first-order optimizers also clip the gradient to norm {scale.CLIP:g}), on a "
+    f"validation split, growing the grid {scale.EXTENSION_STEP:g}x past a winning end at most "
+    f"{scale.MAX_EXTENSIONS} times; chooses the fewest steps to the target, "
     "then trains every seed on the training set; writes OUT/TASK/scale/: a JSON-lines file per "
     "run, scale.jsonl, scale.md and scale.png. Lines of an earlier study for other batches or "
-    f"optimizers are kept when made with the same budgets, evaluations and seeds. Budgets: {budgets}.",
+    "optimizers are kept when made with the same budgets, evaluations, seeds and trials. "
+    f"Budgets: {budgets}.",
   )
   study.add_argument("--task", default="mnist1d", choices=sorted(scale.PROTOCOLS), help="the task")
   study.add_argument(
@@ -668,7 +672,8 @@ def scale_summary(args: argparse.Namespace) -> None:
     problem = scale.mixed(lines) if lines else "no lines"
     if problem is not None:
       raise SystemExit(
-        f"{path} mixes results made with different budgets, evaluations or seeds ({problem}): "
+        f"{path} mixes results made with different budgets, evaluations, seeds or trials "
+        f"({problem}): "
         f"run `python -m experiments scale --task {name}` again into an empty folder"
       )
     summary["tasks"][name] = scale.summary_lines(lines)

@@ -10,13 +10,29 @@ studied and each one's settings at batch 128, the centre of its grid. At batch
 ``B`` every optimizer tries the learning rates ``c * sqrt(B / 128) * (1/3, 1,
 3)`` (`grid`; ``c`` its centre; K-FAC's damping stays at its centre, the
 library's factors being averages per example, so a damping means the same at
-every batch). Every trial trains on the training set less a 20 % validation
+every batch), each in two variants (`VARIANTS`): plain, and stabilised
+(`stabilisers`: a linear warmup over the first 5 % of the steps, and for the
+first-order optimizers the gradient clipped to global norm 1; K-FAC's KL clip
+stays sized at the peak rate through the warmup): 6 trials for every optimizer. Every trial trains on the training set less a 20 % validation
 split (seed 0) for the batch's budget, the cosine decay spanning it; the trial
 that reaches the target on the validation split in the fewest steps is chosen,
 or when none does the best final validation metric (diverged trials last;
-`choose`). Each seed then trains the chosen setting on the whole training set
-and is scored on the test set. Within a batch the optimizers take turns, trial
-by trial and seed by seed, so that the machine's slow spells fall on all alike.
+`choose`). When the chosen trial's factor is the lowest or the highest the
+optimizer tried, its grid grows by a factor of 3 beyond that end (both
+variants) and the choice is made again, at most `MAX_EXTENSIONS` times
+(`beyond`), the same rule for every optimizer; each line records the factor of
+every trial and whether the chosen one still sits at an end of its grid
+(``chosen_at_edge``). Each seed then trains the chosen setting on the whole
+training set and is scored on the test set; the summary keeps each seed's steps
+to the target (``steps_by_seed``) and the tables show their range. Within a
+batch the optimizers take turns, trial by trial (the extensions too) and seed by
+seed, so that the machine's slow spells fall on all alike.
+
+The tables of ``docs/benchmarks/scaling.md`` (``benchmarks/results/scaling.json``)
+predate the stabilised variant, the extensions and the seeds' spread, and have
+no ``charlm``: running ``python -m experiments scale --task TASK`` for each task,
+then ``python -m experiments scale-summary --publish``, regenerates them under
+this protocol. Their lines render as they always did.
 
 Every run writes its JSON-lines file to ``OUT/TASK/scale/`` (``sgd-b256-trial1.jsonl``,
 ``kfac-b256-seed0.jsonl``); ``scale.jsonl`` holds one line per optimizer and batch,
@@ -52,7 +68,23 @@ FOLDER = "scale"  # under OUT/TASK/
 LINES = "scale.jsonl"
 REFERENCE_BATCH = 128  # the batch the centres are set at
 LR_FACTORS = (1 / 3, 1.0, 3.0)  # the grid around c * sqrt(B / 128)
-FACTOR_LABELS = ("1/3", "1", "3")
+FACTOR_LABELS = ("1/3", "1", "3")  # of LR_FACTORS: what an older line's chosen_trial indexes
+# An end of the grid that wins says the best rate may lie beyond it: the grid then grows by this
+# factor past that end, at most MAX_EXTENSIONS times per optimizer and batch.
+EXTENSION_STEP = 3.0
+MAX_EXTENSIONS = 2
+# The stabilised variant. Large batches take large rates (c * sqrt(B / 128) * 3), and an optimizer
+# may lose a batch to an early divergence or a gradient spike that a standard remedy would have
+# held; a grid that offered a remedy to some optimizers only would favour them. So every optimizer
+# tries each rate plain and stabilised, the same number of trials for all: a linear warmup over
+# the first WARMUP of the steps, and for the first-order optimizers the gradient clipped to the
+# global norm CLIP. K-FAC takes the warmup only: its KL clip is its trust region, and a gradient
+# clip between K-FAC and the optimizer it is chained with would undo the preconditioning's scale
+# (`experiments.optimizers.Optimizer` refuses it); through the warmup its KL clip is sized at the
+# peak rate (`experiments.optimizers.kl_clip_schedule`), so that the warmup shrinks its steps.
+WARMUP = 0.05
+CLIP = 1.0
+VARIANTS = ("plain", "stabilised")
 SLACK = 1.5  # steps may exceed perfect scaling from the smallest batch by this factor
 TRIAL_SEED = 0  # the seed of every sweep trial
 EVAL_EVERY = 5
@@ -84,6 +116,12 @@ class Protocol:
 
 MNIST1D_BATCHES = (128, 256, 512, 1024, 2048, 3200)  # 3200: the whole sweep split (80 % of 4000)
 MNIST1D_BUDGETS = {128: 600, 256: 400, 512: 300, 1024: 200, 2048: 200, 3200: 200}
+# The character transformer's sweep split holds 11633 of its 14541 training windows: 8192 is the
+# largest power of 2 it holds. Its batch-128 budget is the task's 600 steps, where the experiments
+# reach 1.85 nats in 183 (K-FAC) and 237 (AdamW) steps; then the same shrinking budgets as the
+# others (perfect scaling from 237 steps needs 30 at batch 1024).
+CHARLM_BATCHES = (128, 256, 512, 1024, 2048, 4096, 8192)
+CHARLM_BUDGETS = {128: 600, 256: 400, 512: 300, 1024: 200, 2048: 200, 4096: 200, 8192: 200}
 
 PROTOCOLS: dict[str, Protocol] = {
   "mnist1d": Protocol(
@@ -115,6 +153,18 @@ PROTOCOLS: dict[str, Protocol] = {
       "kfac": {"lr": 0.1, "damping": 0.1},
     },
   ),
+  # The centres are the experiments' tuned settings (docs/benchmarks/experiments.md). SGD is not
+  # studied: at its tuned rate (0.1) it ends at 2.09 nats without reaching 1.85 at batch 128, so
+  # its critical batch is undefined and AdamW is the baseline every figure of merit uses; its
+  # trials would cost a third of the study for no figure.
+  "charlm": Protocol(
+    CHARLM_BATCHES,
+    CHARLM_BUDGETS,
+    {
+      "adamw": {"lr": 0.01},
+      "kfac": {"lr": 0.1, "damping": 0.01},
+    },
+  ),
 }
 
 
@@ -141,13 +191,59 @@ class Plan:
   centres: dict[str, dict[str, float]]
 
 
-def grid(centre: Mapping[str, float], batch: int) -> list[dict[str, float]]:
-  """The settings tried at ``batch``: learning rates ``c * sqrt(batch / 128) * LR_FACTORS``.
+def grid(
+  centre: Mapping[str, float], batch: int, factors: Sequence[float] = LR_FACTORS
+) -> list[dict[str, float]]:
+  """The settings tried at ``batch``: learning rates ``c * sqrt(batch / 128) * factors``.
 
   The other settings (K-FAC's damping) stay at the centre's.
   """
   scale = math.sqrt(batch / REFERENCE_BATCH)
-  return [{**centre, "lr": centre["lr"] * scale * f} for f in LR_FACTORS]
+  return [{**centre, "lr": centre["lr"] * scale * f} for f in factors]
+
+
+def stabilisers(name: str) -> dict[str, float]:
+  """What the stabilised variant adds to a setting of ``name``: `WARMUP`; `CLIP` unless K-FAC."""
+  return {"warmup": WARMUP} if is_kfac(name) else {"warmup": WARMUP, "clip": CLIP}
+
+
+def variant_settings(name: str, variant: str) -> dict[str, float]:
+  """What the variant (`VARIANTS`) adds to a setting of ``name``: nothing when plain."""
+  return stabilisers(name) if variant == "stabilised" else {}
+
+
+def trials_at(
+  name: str, centre: Mapping[str, float], batch: int, factors: Sequence[float]
+) -> list[dict[str, Any]]:
+  """The trials of ``name`` at ``factors`` (`grid`), each factor plain then stabilised.
+
+  Each is ``{"factor": ..., "variant": ..., "settings": ...}``, its results still to come.
+  """
+  return [
+    {"factor": f, "variant": v, "settings": settings | variant_settings(name, v)}
+    for f, settings in zip(factors, grid(centre, batch, factors))
+    for v in VARIANTS
+  ]
+
+
+def beyond(trials: Sequence[Mapping[str, Any]]) -> float | None:
+  """The factor past the end of the grid where the chosen trial sits; None when it sits inside.
+
+  ``trials``: one optimizer's trials at a batch, each with its ``factor`` and
+  whether it is ``chosen``. The lowest end first: the factor a third of it.
+  """
+  factors = [t["factor"] for t in trials]
+  chosen = next(t for t in trials if t["chosen"])["factor"]
+  if chosen == min(factors):
+    return chosen / EXTENSION_STEP
+  if chosen == max(factors):
+    return chosen * EXTENSION_STEP
+  return None
+
+
+def factor_label(factor: float) -> str:
+  """A factor of ``c * sqrt(B / 128)`` as the tables write it: ``"1/9"``, ``"1"``, ``"27"``."""
+  return f"{factor:g}" if factor >= 1 else f"1/{1 / factor:g}"
 
 
 def make_plan(
@@ -293,7 +389,12 @@ def result_line(
   trials: list[dict[str, Any]],
   runs: list[dict[str, Any]],
 ) -> Line:
-  """The ``scale.jsonl`` line of one optimizer at one batch."""
+  """The ``scale.jsonl`` line of one optimizer at one batch.
+
+  With its trial rule (``variants``, the settings ``stabilised`` adds,
+  ``max_extensions``), the ``factors`` tried, the chosen trial's factor and
+  variant and whether it sits at an end of the grid (``chosen_at_edge``).
+  """
   chosen = next(i for i, t in enumerate(trials) if t["chosen"])
   steps = [r["steps_to_target"] for r in runs]
   reached = sum(s is not None for s in steps)
@@ -311,8 +412,15 @@ def result_line(
     "validation_fraction": VALIDATION_FRACTION,
     "trial_seed": TRIAL_SEED,
     "centre": plan.centres[name],
+    "variants": list(VARIANTS),
+    "stabilised": stabilisers(name),
+    "max_extensions": MAX_EXTENSIONS,
+    "factors": sorted({t["factor"] for t in trials}),
     "chosen_trial": chosen,
     "chosen": trials[chosen]["settings"],
+    "chosen_factor": trials[chosen]["factor"],
+    "chosen_variant": trials[chosen]["variant"],
+    "chosen_at_edge": beyond(trials) is not None,
     "grid": trials,
     "runs": runs,
     "reached": reached,
@@ -321,27 +429,85 @@ def result_line(
   }
 
 
+def common_config(plan: Plan, batch: int) -> dict[str, Any]:
+  """What every run of the study at ``batch`` adds to its records' config."""
+  return {"study": FOLDER, "batch_size": batch, "budget_overridden": plan.overridden}
+
+
+def train_trials(
+  val_task: Task,
+  plan: Plan,
+  todo: Mapping[str, Sequence[dict[str, Any]]],
+  trials: dict[str, list[dict[str, Any]]],
+  out: Path,
+  progress: bool,
+) -> None:
+  """Trains each optimizer's ``todo`` trials (`trials_at`) and appends them to its ``trials``.
+
+  The optimizers take turns, trial by trial; each trial is numbered after its
+  optimizer's earlier ones at this batch, and marked not chosen.
+  """
+  batch = val_task.batch_size
+  steps = plan.budgets[batch]
+  for i in range(max(map(len, todo.values()), default=0)):
+    for n, pending in todo.items():
+      if i >= len(pending):
+        continue
+      trial = pending[i]
+      number = len(trials[n])
+      path = out / f"{n}-b{batch}-trial{number}.jsonl"
+      extra = common_config(plan, batch) | {
+        "sweep_trial": number,
+        "lr_factor": trial["factor"],
+        "variant": trial["variant"],
+      }
+      summary = train_once(
+        val_task, n, trial["settings"], steps, TRIAL_SEED, plan.eval_every, path, progress, extra
+      )
+      trials[n].append({"trial": number, **trial, **summary, "chosen": False})
+
+
+def choose_again(val_task: Task, trials: Sequence[dict[str, Any]]) -> None:
+  """Marks the one chosen trial (`choose`) among an optimizer's trials."""
+  best = choose(val_task, trials)
+  for i, t in enumerate(trials):
+    t["chosen"] = i == best
+
+
+def sweep_batch(
+  val_task: Task, plan: Plan, out: Path, progress: bool
+) -> dict[str, list[dict[str, Any]]]:
+  """Every optimizer's trials at the batch of ``val_task``, the chosen one marked.
+
+  First its `LR_FACTORS`, plain and stabilised; then, while the chosen trial
+  sits at an end of its grid, the factor `beyond` it (both variants), at most
+  `MAX_EXTENSIONS` times. The optimizers take turns within each round.
+  """
+  batch = val_task.batch_size
+  trials: dict[str, list[dict[str, Any]]] = {n: [] for n in plan.names}
+  factors = {n: LR_FACTORS for n in plan.names}
+  for extension in range(MAX_EXTENSIONS + 1):
+    if extension > 0:
+      factors = {n: [f] for n in plan.names if (f := beyond(trials[n])) is not None}
+      if not factors:
+        break
+    todo = {n: trials_at(n, plan.centres[n], batch, fs) for n, fs in factors.items()}
+    train_trials(val_task, plan, todo, trials, out, progress)
+    for n in factors:
+      choose_again(val_task, trials[n])
+  return trials
+
+
 def run_batch(task: Task, plan: Plan, batch: int, out: Path, progress: bool) -> list[Line]:
-  """Sweeps every optimizer at ``batch`` on the validation split, then trains each seed.
+  """Sweeps every optimizer at ``batch`` on the validation split (`sweep_batch`), then the seeds.
 
   The optimizers take turns, trial by trial, then seed by seed.
   """
   at_batch = dataclasses.replace(task, batch_size=batch)
   val_task = with_validation(at_batch, VALIDATION_FRACTION)
   steps = plan.budgets[batch]
-  common = {"study": FOLDER, "batch_size": batch, "budget_overridden": plan.overridden}
-  grids = {n: grid(plan.centres[n], batch) for n in plan.names}
-  trials: dict[str, list[dict[str, Any]]] = {n: [] for n in plan.names}
-  for i in range(len(LR_FACTORS)):
-    for n in plan.names:
-      path = out / f"{n}-b{batch}-trial{i}.jsonl"
-      extra = common | {"sweep_trial": i}
-      summary = train_once(
-        val_task, n, grids[n][i], steps, TRIAL_SEED, plan.eval_every, path, progress, extra
-      )
-      trials[n].append({"trial": i, "settings": grids[n][i], **summary, "chosen": False})
-  for n in plan.names:
-    trials[n][choose(val_task, trials[n])]["chosen"] = True
+  common = common_config(plan, batch)
+  trials = sweep_batch(val_task, plan, out, progress)
   runs: dict[str, list[dict[str, Any]]] = {n: [] for n in plan.names}
   for s in plan.seeds:
     for n in plan.names:
@@ -375,11 +541,18 @@ def write_lines(path: Path, lines: Sequence[Line]) -> None:
   write_text(path, "".join(json.dumps(line) + "\n" for line in sorted(lines, key=order)))
 
 
+def trial_rule(line: Mapping[str, Any]) -> str:
+  """How a line's trials were laid out: its variants and extensions (older lines: plain, none)."""
+  variants = " ".join(line.get("variants", ["plain"]))
+  return f"variants {variants}, at most {line.get('max_extensions', 0)} extensions"
+
+
 def mixed(lines: Sequence[Mapping[str, Any]]) -> str | None:
-  """How a task's lines differ in budget, evaluations or seeds; None when one table can hold them.
+  """How a task's lines differ in budget, evaluations, seeds or trials; None if one table fits.
 
   Lines of one batch must share its budget; overridden budgets (``--steps``)
-  must be one number for every line, and not mixed with the protocol's.
+  must be one number for every line, and not mixed with the protocol's; every
+  line must follow one `trial_rule`.
   """
   problems = []
   for b in sorted({line["batch"] for line in lines}):
@@ -397,6 +570,9 @@ def mixed(lines: Sequence[Mapping[str, Any]]) -> str | None:
   seeds = sorted({tuple(line["seeds"]) for line in lines})
   if len(seeds) > 1:
     problems.append(f"seeds {'; '.join(' '.join(map(str, s)) for s in seeds)}")
+  rules = sorted({trial_rule(line) for line in lines})
+  if len(rules) > 1:
+    problems.append(f"trials with {'; '.join(rules)}")
   return "; ".join(problems) or None
 
 
@@ -410,6 +586,8 @@ def planned_lines(plan: Plan) -> list[Line]:
       "budget_overridden": plan.overridden,
       "eval_every": plan.eval_every,
       "seeds": list(plan.seeds),
+      "variants": list(VARIANTS),
+      "max_extensions": MAX_EXTENSIONS,
     }
     for b in plan.batches
     for n in plan.names
@@ -419,8 +597,8 @@ def planned_lines(plan: Plan) -> list[Line]:
 def kept_lines(path: Path, plan: Plan) -> list[Line]:
   """The lines of an earlier ``scale.jsonl`` that the plan does not train again.
 
-  Raises `ValueError` when they were made with other budgets, evaluations or
-  seeds than the plan's (`mixed`): one table would mix them.
+  Raises `ValueError` when they were made with other budgets, evaluations,
+  seeds or trials than the plan's (`mixed`): one table would mix them.
   """
   if not path.exists():
     return []
@@ -429,7 +607,7 @@ def kept_lines(path: Path, plan: Plan) -> list[Line]:
   problem = mixed([*kept, *planned_lines(plan)])
   if problem is not None:
     raise ValueError(
-      f"{path} holds results made with other budgets, evaluations or seeds ({problem}): "
+      f"{path} holds results made with other budgets, evaluations, seeds or trials ({problem}): "
       "give another --out, or remove it"
     )
   return kept
@@ -456,7 +634,8 @@ def study(task: Task, plan: Plan, out: Path, kept: Sequence[Line], progress: boo
 # The summary and its tables.
 
 # What a summary keeps of a ``scale.jsonl`` line (`summary_lines`), with ``n_runs``, the seeds
-# trained: every figure of the tables, and the settings chosen.
+# trained, and ``steps_by_seed``, each seed's steps to target (None: missed): every figure of the
+# tables, and the settings chosen.
 SUMMARY_FIELDS = (
   "task",
   "batch",
@@ -475,6 +654,17 @@ SUMMARY_FIELDS = (
   "reached",
   "mean_steps_to_target",
 )
+# What it keeps too of a line made with the stabilised variant and the extensions (`run_batch`):
+# the trial rule and where the chosen trial sits. Older lines have none of them.
+TRIAL_RULE_FIELDS = (
+  "variants",
+  "stabilised",
+  "max_extensions",
+  "factors",
+  "chosen_factor",
+  "chosen_variant",
+  "chosen_at_edge",
+)
 
 
 def summary_lines(lines: Sequence[Line]) -> list[Line]:
@@ -483,7 +673,9 @@ def summary_lines(lines: Sequence[Line]) -> list[Line]:
   This is what ``benchmarks/results/scaling.json`` holds per task, and what `report` reads.
   """
   return [
-    {k: line[k] for k in SUMMARY_FIELDS} | {"n_runs": len(line["runs"])}
+    {k: line[k] for k in SUMMARY_FIELDS}
+    | {k: line[k] for k in TRIAL_RULE_FIELDS if k in line}
+    | {"n_runs": len(line["runs"]), "steps_by_seed": [r["steps_to_target"] for r in line["runs"]]}
     for line in sorted(lines, key=order)
   ]
 
@@ -528,12 +720,20 @@ def best_baseline(at: Mapping[str, Line]) -> str | None:
 
 
 def steps_cell(line: Line | None) -> str:
-  """Mean steps to target, or ``missed (k/n)`` when not every seed reached it."""
+  """Mean steps to target and the seeds' range, or ``missed (k/n)`` when not every seed reached it.
+
+  The range, ``183 (175 to 195)``, where the line keeps each seed's steps
+  (``steps_by_seed``) of more than one seed; the mean alone otherwise.
+  """
   if line is None:
     return "not run"
   if line["mean_steps_to_target"] is None:
     return f"missed ({line['reached']}/{line['n_runs']})"
-  return f"{line['mean_steps_to_target']:.0f}"
+  mean = f"{line['mean_steps_to_target']:.0f}"
+  seeds = line.get("steps_by_seed")
+  if seeds is None or len(seeds) < 2:
+    return mean
+  return f"{mean} ({min(seeds):.0f} to {max(seeds):.0f})"
 
 
 def ratio_cell(at: Mapping[str, Line], kfac: str) -> str:
@@ -604,10 +804,73 @@ def merits(table: Mapping[int, Mapping[str, Line]], names: Sequence[str]) -> lis
   return out
 
 
+def has_variants(line: Mapping[str, Any]) -> bool:
+  """Whether the line was made with the stabilised variant and extensions (`TRIAL_RULE_FIELDS`)."""
+  return "chosen_factor" in line
+
+
+def chosen_label(line: Line) -> str:
+  """The trial a line chose, as a factor of ``c * sqrt(B / 128)``.
+
+  ``"1/3"``; on a line with variants, ``"3 stabilised"`` for the stabilised
+  one and ``"(edge)"`` after a factor still at an end of the grid.
+  """
+  if not has_variants(line):
+    return FACTOR_LABELS[line["chosen_trial"]]
+  text = factor_label(line["chosen_factor"])
+  text += " stabilised" if line["chosen_variant"] == "stabilised" else ""
+  return text + (" (edge)" if line["chosen_at_edge"] else "")
+
+
 def chosen_text(table: Mapping[int, Mapping[str, Line]], name: str) -> str:
-  """The grid point each batch chose for an optimizer, as factors of ``c * sqrt(B / 128)``."""
-  chosen = [FACTOR_LABELS[at[name]["chosen_trial"]] if name in at else "-" for at in table.values()]
+  """The trial each batch chose for an optimizer (`chosen_label`)."""
+  chosen = [chosen_label(at[name]) if name in at else "-" for at in table.values()]
   return f"{NAMES.get(name, name)} {', '.join(chosen)}"
+
+
+def stabilised_text(lines: Sequence[Line]) -> str:
+  """What the stabilised variant adds, by optimizer: ``"SGD and AdamW: a linear warmup ..."``."""
+  groups: dict[str, list[str]] = {}
+  for line in sorted(lines, key=order):
+    added = line["stabilised"]
+    parts = []
+    if "warmup" in added:
+      parts.append(f"a linear warmup over the first {added['warmup'] * 100:g} % of the steps")
+    if "clip" in added:
+      parts.append(f"the gradient clipped to global norm {added['clip']:g}")
+    label = NAMES.get(line["optimizer"], line["optimizer"])
+    names = groups.setdefault(" and ".join(parts) or "nothing", [])
+    if label not in names:
+      names.append(label)
+  return "; ".join(f"{' and '.join(names)}: {added}" for added, names in groups.items())
+
+
+def method_text(lines: Sequence[Line]) -> str:
+  """How each batch's setting was chosen, and what a cell shows."""
+  first = lines[0]
+  grid_text = (
+    f"At each batch B every optimizer's learning rate is chosen from "
+    f"c x sqrt(B/{REFERENCE_BATCH}) x (1/3, 1, 3), c its batch-{REFERENCE_BATCH} setting "
+    "(K-FAC's damping stays at its own)"
+  )
+  validation = f"{first['validation_fraction'] * 100:g} % validation split"
+  cells = (
+    "Cells: test steps to the target, mean over seeds, or missed (k/n) when not every seed "
+    "reached it within the budget; K-FAC / best baseline: steps relative to the first-order "
+    "optimizer with the fewest."
+  )
+  if not has_variants(first):
+    return (
+      f"{grid_text}, on a {validation}: the fewest steps to the target, else the best final "
+      f"metric. {cells}"
+    )
+  return (
+    f"{grid_text}, each rate plain and stabilised ({stabilised_text(lines)}); when an end of an "
+    f"optimizer's grid wins, the factor {EXTENSION_STEP:g}x beyond it is tried too (both "
+    f"variants), at most {first['max_extensions']} times. Chosen on a {validation}: the fewest "
+    "steps to the target, else the best final metric. "
+    + cells.replace("mean over seeds,", "mean over seeds (the seeds' range),")
+  )
 
 
 def report(lines: Sequence[Line]) -> str:
@@ -634,13 +897,7 @@ def report(lines: Sequence[Line]) -> str:
     "against the batch size",
     "",
     f"Seeds {' '.join(map(str, first['seeds']))}, evaluated every {first['eval_every']} steps; "
-    f"{budget_text}. At each batch B every optimizer's learning rate is chosen from "
-    f"c x sqrt(B/{REFERENCE_BATCH}) x (1/3, 1, 3), c its batch-{REFERENCE_BATCH} setting "
-    "(K-FAC's damping stays at its own), on a "
-    f"{first['validation_fraction'] * 100:g} % validation split: the fewest steps to the target, else "
-    "the best final metric. Cells: test steps to the target, mean over seeds, or missed (k/n) "
-    "when not every seed reached it within the budget; K-FAC / best baseline: steps relative "
-    "to the first-order optimizer with the fewest.",
+    f"{budget_text}. {method_text(lines)}",
     "",
     "| batch | budget | " + " | ".join(columns) + " |",
     "|---|---|" + "---|" * len(columns),
@@ -648,6 +905,15 @@ def report(lines: Sequence[Line]) -> str:
   for b, at in table.items():
     cells = [steps_cell(at.get(n)) for n in names] + [ratio_cell(at, k) for k in kfacs]
     out.append(f"| {b} | {budgets[b]} | " + " | ".join(cells) + " |")
+  chosen_head = (
+    f"Learning rate chosen at batches {', '.join(map(str, table))}, "
+    f"as a factor of c x sqrt(B/{REFERENCE_BATCH})"
+  )
+  if has_variants(first):
+    chosen_head += (
+      " (stabilised: its stabilised variant; (edge): still an end of the grid after the "
+      "extensions, the best rate may lie beyond)"
+    )
   out += [
     "",
     f"Critical batch: the largest batch B reached, as every batch from {b0} up to it, in at most "
@@ -659,10 +925,7 @@ def report(lines: Sequence[Line]) -> str:
     "",
     *(merits(table, names) or ["* none: no K-FAC variant studied."]),
     "",
-    f"Learning rate chosen at batches {', '.join(map(str, table))}, "
-    f"as a factor of c x sqrt(B/{REFERENCE_BATCH}): "
-    + "; ".join(chosen_text(table, n) for n in names)
-    + ".",
+    f"{chosen_head}: " + "; ".join(chosen_text(table, n) for n in names) + ".",
   ]
   return "\n".join(out)
 

@@ -10,13 +10,17 @@ its summary.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+import math
 import pathlib
 import re
 import string
 
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from benchmarks import generated
@@ -351,7 +355,8 @@ BAD_ARGUMENTS = [
   (["scale", "--batches", "8"], "no step budget for batch 8"),
   (["scale", "--seeds", "1", "1"], "argument --seeds: given more than once: 1"),
   (["scale-summary", "--readme", "{tmp}/notes.txt"], "unrecognized arguments: --readme"),
-  (["scale-summary", "--tasks", "charlm"], "argument --tasks: invalid choice: 'charlm'"),
+  (["scale", "--task", "charlm", "--optimizers", "sgd"], "no scaling protocol for sgd"),
+  (["scale-summary", "--tasks", "digits"], "argument --tasks: invalid choice: 'digits'"),
 ]
 
 
@@ -441,6 +446,7 @@ def test_each_mode_has_its_own_help_with_defaults(mode, capsys):
   if mode == "scale":
     assert "(default: 0 1 2)" in words and "(default: 5)" in words
     assert "mnist1d: 128 256 512 1024 2048 3200" in words
+    assert "charlm: 128 256 512 1024 2048 4096 8192" in words
 
 
 def test_a_failing_run_leaves_no_partial_file(tmp_path):
@@ -477,24 +483,31 @@ def test_scale_writes_its_files_reproducibly(small_tasks, tmp_path):
   for folder in ("first", "second"):
     cli.main([*argv, "--out", str(tmp_path / folder)])
   out, again = (tmp_path / folder / "mnist1d" / "scale" for folder in ("first", "second"))
+  lines = read(out / "scale.jsonl")
+  # Every trial of the grid and its extensions, each seed.
+  trials = {(x["batch"], x["optimizer"]): len(x["grid"]) for x in lines}
+  assert set(trials) == {(b, n) for b in (8, 16) for n in ("sgd", "kfac")}
+  assert set(trials.values()) <= {6, 8, 10}
   runs = [
     f"{n}-b{b}-{kind}.jsonl"
-    for b in (8, 16)
-    for n in ("sgd", "kfac")
-    for kind in ("trial0", "trial1", "trial2", "seed0", "seed1")
+    for (b, n), count in trials.items()
+    for kind in [*(f"trial{i}" for i in range(count)), "seed0", "seed1"]
   ]
   written = sorted(p.name for p in out.iterdir())
   assert written == sorted([*runs, "scale.jsonl", "scale.md", "scale.png"])
   assert sorted(p.name for p in again.iterdir()) == written
   for name in runs:  # every run's records, bit for bit (wall-clock aside)
     assert strip_wall(read(out / name)) == strip_wall(read(again / name)), name
-  trial = read(out / "kfac-b16-trial2.jsonl")
+  trial = read(out / "kfac-b16-trial3.jsonl")
   assert [r["step"] for r in trial] == [0, 2, 4]
-  assert trial[-1]["config"]["batch_size"] == 16 and trial[-1]["config"]["sweep_trial"] == 2
-  assert trial[-1]["config"]["metric_name"] == "validation accuracy"
+  config = trial[-1]["config"]
+  assert (config["batch_size"], config["sweep_trial"]) == (16, 3)
+  assert (config["lr_factor"], config["variant"], config["warmup"]) == (1.0, "stabilised", 0.05)
+  assert config["metric_name"] == "validation accuracy" and config["clip"] is None
+  config = read(out / "sgd-b8-trial5.jsonl")[-1]["config"]
+  assert (config["lr_factor"], config["warmup"], config["clip"]) == (3.0, 0.05, 1.0)
   seed_run = read(out / "sgd-b8-seed1.jsonl")[-1]["config"]
   assert (seed_run["batch_size"], seed_run["seed"], seed_run["study"]) == (8, 1, "scale")
-  lines = read(out / "scale.jsonl")
   assert strip_clock(lines) == strip_clock(read(again / "scale.jsonl"))
   assert [(x["batch"], x["optimizer"]) for x in lines] == [
     (8, "sgd"),
@@ -504,21 +517,33 @@ def test_scale_writes_its_files_reproducibly(small_tasks, tmp_path):
   ]
   for x in lines:
     assert (x["budget"], x["budget_overridden"], x["seeds"]) == (4, True, [0, 1])
+    factors = [t["factor"] for t in x["grid"]]
+    assert factors[:6] == [1 / 3, 1 / 3, 1, 1, 3, 3]  # the grid, then any extensions
+    assert [t["variant"] for t in x["grid"]] == ["plain", "stabilised"] * (len(factors) // 2)
+    assert [t["trial"] for t in x["grid"]] == list(range(len(factors)))
     lrs = [t["settings"]["lr"] for t in x["grid"]]
     centre = scale.PROTOCOLS["mnist1d"].centres[x["optimizer"]]
-    assert lrs == pytest.approx(
-      [centre["lr"] * (x["batch"] / 128) ** 0.5 * f for f in (1 / 3, 1, 3)]
-    )
+    assert lrs == pytest.approx([centre["lr"] * (x["batch"] / 128) ** 0.5 * f for f in factors])
+    stabilised = {"warmup": 0.05} | ({} if x["optimizer"] == "kfac" else {"clip": 1.0})
+    assert x["stabilised"] == stabilised
+    for t in x["grid"]:
+      added = {k: v for k, v in t["settings"].items() if k not in centre}
+      assert added == (stabilised if t["variant"] == "stabilised" else {})
     if x["optimizer"] == "kfac":  # damping stays at the centre's
       assert {t["settings"]["damping"] for t in x["grid"]} == {centre["damping"]}
     assert sum(t["chosen"] for t in x["grid"]) == 1
-    assert x["chosen"] == x["grid"][x["chosen_trial"]]["settings"]
+    chosen = x["grid"][x["chosen_trial"]]
+    assert x["chosen"] == chosen["settings"]
+    assert (x["chosen_factor"], x["chosen_variant"]) == (chosen["factor"], chosen["variant"])
+    assert x["factors"] == sorted(set(factors))
+    assert x["chosen_at_edge"] == (x["chosen_factor"] in (min(factors), max(factors)))
     assert [r["seed"] for r in x["runs"]] == [0, 1]
     assert x["reached"] == sum(r["steps_to_target"] is not None for r in x["runs"])
     assert {"jax", "kaisa_jax"} <= set(x["versions"])
     chosen = x["chosen"]
     config = read(out / f"{x['optimizer']}-b{x['batch']}-seed0.jsonl")[-1]["config"]
     assert config["lr"] == chosen["lr"] and config["metric_name"] == "test accuracy"
+    assert config["warmup"] == chosen.get("warmup", 0.0)
   table = (out / "scale.md").read_text()
   assert table == (again / "scale.md").read_text()
   assert "budget overridden: 4 steps at every batch" in table
@@ -532,11 +557,17 @@ def test_scale_keeps_earlier_lines_only_when_made_alike(small_tasks, monkeypatch
   out = tmp_path / "mnist1d" / "scale"
   out.mkdir(parents=True)
   earlier = {"batch": 16, "optimizer": "sgd", "budget_overridden": True, "eval_every": 2}
-  earlier |= {"budget": 6, "seeds": [0]}
+  earlier |= {"budget": 6, "seeds": [0], "variants": ["plain", "stabilised"], "max_extensions": 2}
   (out / "scale.jsonl").write_text(json.dumps(earlier) + "\n")
   protocol = scale.PROTOCOLS["mnist1d"]
   plan = scale.make_plan(protocol, [8], ["sgd"], [0], 6, 2)
   assert scale.kept_lines(out / "scale.jsonl", plan) == [earlier]
+  # A line made before the stabilised variant and the extensions is not kept with new ones.
+  older = {k: v for k, v in earlier.items() if k not in ("variants", "max_extensions")}
+  (out / "scale.jsonl").write_text(json.dumps(older) + "\n")
+  with pytest.raises(ValueError, match="trials with variants plain stabilised, at most 2"):
+    scale.kept_lines(out / "scale.jsonl", plan)
+  (out / "scale.jsonl").write_text(json.dumps(earlier) + "\n")
   with pytest.raises(ValueError, match=r"budgets overridden \(--steps\) with different steps"):
     scale.kept_lines(out / "scale.jsonl", scale.make_plan(protocol, [8], ["sgd"], [0], 4, 2))
   # The same batch and optimizer again replaces the earlier line, whatever its budget.
@@ -585,9 +616,13 @@ def test_scale_chooses_fewest_validation_steps_else_best_final_metric():
   assert scale.choose(mse, trials((None, None), (10, 0.01), (None, 0.001))) == 1
 
 
-def scale_line(batch, name, steps, budget, seeds=(0, 1, 2)):
-  """A made-up ``scale.jsonl`` line: ``steps`` per seed (None: missed)."""
+def scale_line(batch, name, steps, budget, seeds=(0, 1, 2), chosen=(1.0, "plain", False)):
+  """A made-up ``scale.jsonl`` line: ``steps`` per seed (None: missed).
+
+  ``chosen``: the chosen trial's factor, variant and whether it sits at an end of the grid.
+  """
   reached = [s for s in steps if s is not None]
+  factor, variant, at_edge = chosen
   return {
     "task": "mnist1d",
     "batch": batch,
@@ -601,8 +636,15 @@ def scale_line(batch, name, steps, budget, seeds=(0, 1, 2)):
     "seeds": list(seeds),
     "validation_fraction": 0.2,
     "centre": {"lr": 0.1},
-    "chosen_trial": 1,
-    "chosen": {"lr": 0.1 * (batch / 128) ** 0.5},
+    "variants": ["plain", "stabilised"],
+    "stabilised": {"warmup": 0.05} | ({} if optimizers.is_kfac(name) else {"clip": 1.0}),
+    "max_extensions": 2,
+    "factors": sorted({1 / 3, 1.0, 3.0, factor}),
+    "chosen_trial": 2,
+    "chosen": {"lr": 0.1 * (batch / 128) ** 0.5 * factor},
+    "chosen_factor": factor,
+    "chosen_variant": variant,
+    "chosen_at_edge": at_edge,
     "runs": [{"seed": s, "steps_to_target": n} for s, n in zip(seeds, steps)],
     "reached": len(reached),
     "mean_steps_to_target": sum(reached) / len(steps) if len(reached) == len(steps) else None,
@@ -617,11 +659,14 @@ def test_scale_summary_writes_its_summary_and_publishes_it(tmp_path, capsys, pub
     "kfac": (200, 100, 50, 30),
   }
   lines = [
-    scale_line(b, n, [steps[i]] * 3, budgets[b])
+    scale_line(
+      b, n, [None] * 3 if steps[i] is None else [steps[i] - 5, steps[i], steps[i] + 5], budgets[b]
+    )
     for i, b in enumerate(budgets)
     for n, steps in made_up.items()
   ]
   lines[-1] = scale_line(1024, "kfac", [30, 30, None], 200)  # one seed missed at 1024
+  lines[1] = scale_line(128, "adamw", [295, 300, 305], 600, chosen=(1 / 9, "stabilised", True))
   out = tmp_path / "mnist1d" / "scale"
   out.mkdir(parents=True)
   (out / "scale.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
@@ -630,15 +675,23 @@ def test_scale_summary_writes_its_summary_and_publishes_it(tmp_path, capsys, pub
   assert "resnet: no scaling results" in capsys.readouterr().out
   text = (tmp_path / "scale-summary.md").read_text()
   assert text.startswith("### mnist1d")
-  assert "| 128 | 600 | 400 | 300 | 200 | 0.67x (AdamW) |" in text
-  assert "| 512 | 300 | 110 | missed (0/3) | 50 | 0.45x (SGD) |" in text
-  assert "| 1024 | 200 | 80 | missed (0/3) | missed (2/3) | K-FAC missed |" in text
+  assert (
+    "| 128 | 600 | 400 (395 to 405) | 300 (295 to 305) | 200 (195 to 205) | 0.67x (AdamW) |" in text
+  )
+  assert "| 512 | 300 | 110 (105 to 115) | missed (0/3) | 50 (45 to 55) | 0.45x (SGD) |" in text
+  assert "| 1024 | 200 | 80 (75 to 85) | missed (0/3) | missed (2/3) | K-FAC missed |" in text
   assert "* SGD: 512; 400 steps at batch 128" in text
   assert "* AdamW: 128; 300 steps at batch 128" in text
   assert "* K-FAC: 512; 200 steps at batch 128" in text
   assert "K-FAC's critical batch / the best baseline's (SGD, 512): 1.00x (512 / 512)." in text
   assert "At batch 1024, the largest where a baseline reaches the target (SGD, 80 steps)" in text
   assert "K-FAC missed (2/3)." in text
+  assert (
+    "each rate plain and stabilised (SGD and AdamW: a linear warmup over the first 5 % of " in text
+  )
+  assert "the gradient clipped to global norm 1; K-FAC: a linear warmup over the first 5 %" in text
+  assert "at most 2 times" in text and "mean over seeds (the seeds' range)" in text
+  assert "SGD 1, 1, 1, 1; AdamW 1/9 stabilised (edge), 1, 1, 1; K-FAC 1, 1, 1, 1." in text
   # The summary keeps what the tables show, and renders to the same text.
   summary = json.loads((tmp_path / "scale-summary.json").read_text())
   assert summary["tasks"]["mnist1d"] == scale.summary_lines(lines)
@@ -660,3 +713,261 @@ def test_scale_summary_writes_its_summary_and_publishes_it(tmp_path, capsys, pub
     cli.main([*argv, "--publish"])
   assert not (tmp_path / "scale-summary.md").exists()
   assert results == json.loads((published / "benchmarks" / "results" / "scaling.json").read_text())
+
+
+def test_warmup_schedule_rises_from_0_then_decays_and_none_is_the_cosine():
+  steps = 100
+  plain = optimizers.schedule(optimizers.Optimizer("sgd", 0.1), steps)
+  cosine = optax.cosine_decay_schedule(0.1, steps)
+  for t in range(steps + 1):  # no warmup: today's cosine, bit for bit
+    assert float(plain(t)) == float(cosine(t)), t
+  warm = optimizers.Optimizer("kfac", 0.1, {"damping": 0.01}, warmup=0.05)
+  assert optimizers.warmup_steps(warm, steps) == 5
+  lr = optimizers.schedule(warm, steps)
+  assert float(lr(0)) == 0.0
+  assert float(lr(2)) == pytest.approx(0.04)  # linear: 2/5 of the peak
+  assert float(lr(5)) == pytest.approx(0.1)  # the peak at the end of the warmup
+  assert float(lr(5 + 95 // 2)) < 0.06 and float(lr(steps)) == pytest.approx(0.0)
+  # A warmup lasts at least one step and leaves the decay one.
+  assert optimizers.warmup_steps(dataclasses.replace(warm, warmup=0.01), 10) == 1
+  assert optimizers.warmup_steps(dataclasses.replace(warm, warmup=0.9), 10) == 9
+  # Through `build`: SGD's first step with a warmup does not move.
+  grads = {"w": jnp.array([3.0, 4.0])}
+  tx = optimizers.build(optimizers.Optimizer("sgd", 0.1, warmup=0.05), steps, None)
+  updates, _ = tx.update(grads, tx.init(grads), grads)
+  np.testing.assert_array_equal(updates["w"], [0.0, 0.0])
+
+
+def test_kfac_warmup_keeps_its_kl_clip_at_the_peak_rate(tmp_path):
+  steps = 100
+  warm = optimizers.Optimizer("kfac", 0.1, {"damping": 0.01}, warmup=0.05)
+  lr, told = optimizers.schedule(warm, steps), optimizers.kl_clip_schedule(warm, steps)
+  assert [float(told(t)) for t in range(5)] == [pytest.approx(0.1)] * 5  # the peak, not 0
+  for t in range(5, steps + 1):  # then the chained optimizer's rate exactly
+    assert float(told(t)) == float(lr(t)), t
+  plain = dataclasses.replace(warm, warmup=0.0)
+  for t in range(steps + 1):
+    assert float(optimizers.kl_clip_schedule(plain, steps)(t)) == float(
+      optimizers.schedule(plain, steps)(t)
+    )
+  # Told the warmup, K-FAC's first full step sat in the momentum and blew the loss up (2.4 to 85).
+  opt = dataclasses.replace(warm, warmup=0.1)
+  records = train(small("mnist1d"), opt, 10, 0, 1, tmp_path / "kfac.jsonl", progress=False)
+  losses = [r["train_loss"] for r in records]
+  assert max(losses) == losses[0] and losses[-1] < losses[0]
+
+
+def test_clip_bounds_a_first_order_step_and_kfac_refuses_it():
+  grads = {"w": jnp.array([3e6, 0.0]), "b": jnp.array([4e6])}  # global norm 5e6
+
+  def first_step(opt):
+    tx = optimizers.build(opt, 10, None)
+    updates, _ = tx.update(grads, tx.init(grads), grads)
+    return updates
+
+  clipped = first_step(optimizers.Optimizer("sgd", 0.1, clip=1.0))  # to norm 1, then -lr x
+  np.testing.assert_allclose(clipped["w"], [-0.06, 0.0], rtol=1e-6)
+  np.testing.assert_allclose(clipped["b"], [-0.08], rtol=1e-6)
+  raw = first_step(optimizers.Optimizer("sgd", 0.1))
+  np.testing.assert_allclose(raw["w"], [-3e5, 0.0], rtol=1e-6)
+  small_grads = {"w": jnp.array([0.3, 0.0]), "b": jnp.array([0.4])}  # norm 0.5: left alone
+  tx = optimizers.build(optimizers.Optimizer("adamw", 0.01, clip=1.0), 10, None)
+  plain = optimizers.build(optimizers.Optimizer("adamw", 0.01), 10, None)
+  a = tx.update(small_grads, tx.init(small_grads), small_grads)[0]
+  b = plain.update(small_grads, plain.init(small_grads), small_grads)[0]
+  np.testing.assert_array_equal(a["w"], b["w"])
+  for name in ("kfac", "kfac_adamw"):
+    with pytest.raises(ValueError, match=r"no gradient clip .* for a K-FAC optimizer"):
+      optimizers.Optimizer(name, 0.1, {"damping": 0.01}, clip=1.0)
+    with pytest.raises(ValueError, match="K-FAC optimizer"):
+      optimizers.from_settings(name, {"lr": 0.1, "damping": 0.01, "clip": 1.0})
+  with pytest.raises(ValueError, match="not a positive global norm"):
+    optimizers.Optimizer("sgd", 0.1, clip=0.0)
+  with pytest.raises(ValueError, match=r"not a fraction of the run in \[0, 1\)"):
+    optimizers.Optimizer("sgd", 0.1, warmup=1.0)
+
+
+def test_settings_carry_warmup_and_clip_apart_from_kfac_arguments():
+  kfac = optimizers.from_settings("kfac", {"lr": 0.1, "damping": 0.01, "warmup": 0.05})
+  assert (kfac.kfac, kfac.warmup, kfac.clip) == ({"damping": 0.01}, 0.05, None)
+  assert kfac.settings() == {"lr": 0.1, "warmup": 0.05, "damping": 0.01}
+  assert optimizers.from_settings("kfac", kfac.settings()) == kfac
+  config = kfac.config()
+  assert (config["warmup"], config["clip"], config["damping"]) == (0.05, None, 0.01)
+  sgd = optimizers.from_settings("sgd", {"lr": 0.1, "warmup": 0.05, "clip": 1.0})
+  assert optimizers.from_settings("sgd", sgd.settings()) == sgd
+  plain = optimizers.from_settings("sgd", {"lr": 0.1})  # as sweeps have always written them
+  assert plain.settings() == {"lr": 0.1} and plain == optimizers.Optimizer("sgd", 0.1)
+  assert (plain.config()["warmup"], plain.config()["clip"]) == (0.0, None)
+
+
+def test_scale_grid_grows_past_a_winning_end():
+  def chosen(factors, pick):
+    trials = [{"factor": f, "chosen": f == pick} for f in factors]
+    return scale.beyond(trials)
+
+  assert chosen([1 / 3, 1 / 3, 1, 1, 3, 3], 1 / 3) == pytest.approx(1 / 9)
+  assert chosen([1 / 3, 1, 3], 3) == 9
+  assert chosen([1 / 3, 1, 3], 1) is None  # an inner winner: no extension
+  assert chosen([1 / 9, 1 / 3, 1, 3], 1 / 3) is None
+  assert chosen([1 / 3, 1, 3, 9], 9) == 27
+  assert [scale.factor_label(f) for f in (1 / 27, 1 / 9, 1 / 3, 1, 3, 9)] == [
+    "1/27",
+    "1/9",
+    "1/3",
+    "1",
+    "3",
+    "9",
+  ]
+
+
+def fake_training(best, calls, stabilised=()):
+  """A stand-in for `scale.train_once`: steps grow with a trial's distance from ``best[name]``.
+
+  Distance in factors of 3; the stabilised variant 5 steps fewer for the optimizers in
+  ``stabilised``, 5 more for the others. A seed's steps: 100 + 10 x seed. Appends
+  ``(name, file name, extra config)`` to ``calls``.
+  """
+
+  def train_once(task, name, settings, steps, seed, eval_every, path, progress, extra):
+    calls.append((name, path.name, extra))
+    if "lr_factor" in extra:
+      distance = abs(math.log(extra["lr_factor"] / best[name], 3))
+      bonus = 5 if name in stabilised else -5
+      n = 100 + round(10 * distance) - (bonus if extra["variant"] == "stabilised" else 0)
+      assert settings.get("warmup", 0.0) == (0.05 if extra["variant"] == "stabilised" else 0.0)
+    else:
+      n = 100 + 10 * seed
+    summary = {"steps_to_target": n, "final_metric": 0.95, "diverged": False}
+    return summary | {"seconds_to_target": 1.0, "training_seconds": 2.0}
+
+  return train_once
+
+
+def test_scale_extends_each_optimizer_by_the_same_rule(monkeypatch, tmp_path):
+  plan = scale.make_plan(scale.PROTOCOLS["resnet"], [128], None, [0, 1], 10, 5)
+  names = ["sgd", "adamw", "kfac", "kfac_adamw"]
+  assert list(plan.names) == names
+  # sgd wins inside; adamw at the low end even 2 extensions on; kfac past 3 at 9; kfac_adamw at 1/3.
+  best = {"sgd": 1.0, "adamw": 1e-3, "kfac": 9.0, "kfac_adamw": 1 / 3}
+  calls = []
+  monkeypatch.setattr(scale, "train_once", fake_training(best, calls, stabilised={"kfac"}))
+  lines = {x["optimizer"]: x for x in scale.run_batch(small("mnist1d"), plan, 128, tmp_path, False)}
+  # The grid: 6 trials each, the optimizers taking turns trial by trial.
+  files = [(n, f) for n, f, _ in calls]
+  assert files[:24] == [(n, f"{n}-b128-trial{i}.jsonl") for i in range(6) for n in names]
+  # The first extension: every optimizer whose end won, in turns; then the second; then the seeds.
+  first = [(n, f"{n}-b128-trial{i}.jsonl") for i in (6, 7) for n in ("adamw", "kfac", "kfac_adamw")]
+  second = [(n, f"{n}-b128-trial{i}.jsonl") for i in (8, 9) for n in ("adamw", "kfac")]
+  seeds = [(n, f"{n}-b128-seed{s}.jsonl") for s in (0, 1) for n in names]
+  assert files[24:] == first + second + seeds
+  expected = {  # factors tried, chosen factor, at an end
+    "sgd": ([1 / 3, 1, 3], 1, False),
+    "adamw": ([1 / 27, 1 / 9, 1 / 3, 1, 3], 1 / 27, True),
+    "kfac": ([1 / 3, 1, 3, 9, 27], 9, False),
+    "kfac_adamw": ([1 / 9, 1 / 3, 1, 3], 1 / 3, False),
+  }
+  for n, (factors, factor, at_edge) in expected.items():
+    x = lines[n]
+    assert x["factors"] == pytest.approx(factors), n
+    assert x["chosen_factor"] == pytest.approx(factor) and x["chosen_at_edge"] is at_edge, n
+    assert x["chosen_variant"] == ("stabilised" if n == "kfac" else "plain"), n
+    grid = x["grid"]
+    assert [(t["factor"], t["variant"]) for t in grid[:6]] == [
+      (f, v) for f in (1 / 3, 1, 3) for v in ("plain", "stabilised")
+    ]
+    assert len(grid) == 2 * len(factors)  # each extension: both variants
+    assert [t["variant"] for t in grid] == ["plain", "stabilised"] * len(factors)
+    assert grid[x["chosen_trial"]]["chosen"] and sum(t["chosen"] for t in grid) == 1
+    assert [r["steps_to_target"] for r in x["runs"]] == [100, 110]
+  extra = {(n, f): extra for n, f, extra in calls}
+  last = extra[("kfac", "kfac-b128-trial9.jsonl")]  # the second extension's stabilised trial
+  assert (last["sweep_trial"], last["lr_factor"], last["variant"]) == (9, 27.0, "stabilised")
+  assert extra[("kfac", "kfac-b128-seed0.jsonl")]["settings_from"] == "scale sweep, trial 7"
+  # At most MAX_EXTENSIONS: with one, adamw stops at 1/9, still at its end.
+  monkeypatch.setattr(scale, "MAX_EXTENSIONS", 1)
+  calls.clear()
+  lines = {x["optimizer"]: x for x in scale.run_batch(small("mnist1d"), plan, 128, tmp_path, False)}
+  assert lines["adamw"]["factors"] == pytest.approx([1 / 9, 1 / 3, 1, 3])
+  assert lines["adamw"]["chosen_at_edge"] is True and lines["adamw"]["max_extensions"] == 1
+  assert lines["kfac"]["factors"] == pytest.approx([1 / 3, 1, 3, 9])
+  assert lines["kfac"]["chosen_at_edge"] is True
+
+
+@pytest.mark.parametrize("end", ["low", "high"])
+def test_scale_trials_are_equal_for_every_optimizer_and_each_end_extends_alike(
+  end, monkeypatch, tmp_path
+):
+  plan = scale.make_plan(scale.PROTOCOLS["resnet"], [256], None, [0], 10, 5)
+  far = 1e-3 if end == "low" else 1e3
+  beyond = [1 / 27, 1 / 9] if end == "low" else [9, 27]
+  for name in plan.names:  # one optimizer at a time wins at an end; the others inside
+    best = {n: far if n == name else 1.0 for n in plan.names}
+    calls = []
+    monkeypatch.setattr(scale, "train_once", fake_training(best, calls))
+    lines = scale.run_batch(small("mnist1d"), plan, 256, tmp_path, False)
+    for x in lines:
+      extra = sorted(set(x["factors"]) - {1 / 3, 1.0, 3.0})
+      if x["optimizer"] == name:
+        assert extra == pytest.approx(sorted(beyond)) and x["chosen_at_edge"], name
+        assert x["chosen_factor"] == pytest.approx(min(beyond) if end == "low" else max(beyond))
+      else:
+        assert extra == [] and not x["chosen_at_edge"] and len(x["grid"]) == 6
+    trials = [n for n, f, _ in calls if "trial" in f]
+    assert trials[: 6 * len(plan.names)] == [n for _ in range(6) for n in plan.names]
+    assert trials[6 * len(plan.names) :] == [name] * 4
+
+
+def test_scale_study_renders_seed_spread_and_edges(small_tasks, monkeypatch, tmp_path):
+  calls = []
+  best = {"sgd": 1.0, "kfac": 1e3}  # kfac's best rate lies past every extension
+  monkeypatch.setattr(scale, "train_once", fake_training(best, calls, stabilised={"sgd"}))
+  argv = ["scale", "--batches", "8", "16", "--optimizers", "sgd", "kfac", "--seeds", "0", "1"]
+  cli.main([*argv, "--steps", "4", "--eval-every", "2", "--no-progress", "--out", str(tmp_path)])
+  out = tmp_path / "mnist1d" / "scale"
+  assert sorted(p.name for p in out.iterdir()) == ["scale.jsonl", "scale.md", "scale.png"]
+  table = (out / "scale.md").read_text()
+  assert "| 8 | 4 | 105 (100 to 110) | 105 (100 to 110) | 1.00x (SGD) |" in table
+  assert "SGD 1 stabilised, 1 stabilised; K-FAC 27 (edge), 27 (edge)." in table
+  summary = scale.summary_lines(read(out / "scale.jsonl"))
+  assert [x["steps_by_seed"] for x in summary] == [[100, 110]] * 4
+  assert [x["chosen_at_edge"] for x in summary] == [False, True, False, True]
+
+
+def test_scale_summary_keeps_each_seeds_steps_and_old_lines_render_as_before():
+  line = scale_line(128, "sgd", [175, 180, 195], 600)
+  (summary,) = scale.summary_lines([line])
+  assert summary["steps_by_seed"] == [175, 180, 195] and summary["n_runs"] == 3
+  assert scale.steps_cell(summary) == "183 (175 to 195)"
+  missed = scale.summary_lines([scale_line(128, "sgd", [175, None, 195], 600)])[0]
+  assert missed["steps_by_seed"] == [175, None, 195] and scale.steps_cell(missed) == "missed (2/3)"
+  # A line of the committed summary (no seeds' steps, no trial rule) renders as it always did.
+  old = {k: summary[k] for k in scale.SUMMARY_FIELDS} | {"n_runs": 3, "chosen_trial": 0}
+  assert scale.steps_cell(old) == "183"
+  text = scale.report([old])
+  assert "| 128 | 600 | 183 |" in text
+  assert "(K-FAC's damping stays at its own), on a 20 % validation split: the fewest" in text
+  assert "Cells: test steps to the target, mean over seeds, or missed (k/n)" in text
+  assert text.endswith("as a factor of c x sqrt(B/128): SGD 1/3.")
+  assert "stabilised" not in text and "edge" not in text
+  committed = json.loads((generated.ROOT / "benchmarks" / "results" / "scaling.json").read_text())
+  page = (generated.ROOT / "docs" / "benchmarks" / "scaling.md").read_text()
+  assert scale.summary_markdown(committed) in page
+
+
+def test_charlm_protocol_plans_within_its_sweep_split():
+  protocol = scale.PROTOCOLS["charlm"]
+  plan = scale.make_plan(protocol, None, None, [0, 1, 2], None, 5)
+  assert plan.names == ("adamw", "kfac")
+  assert plan.centres == {"adamw": {"lr": 0.01}, "kfac": {"lr": 0.1, "damping": 0.01}}
+  assert plan.batches == (128, 256, 512, 1024, 2048, 4096, 8192)
+  budgets = [plan.budgets[b] for b in plan.batches]
+  assert budgets[0] == 600 and budgets == sorted(budgets, reverse=True)
+  task = tasks.charlm()
+  assert (task.target, task.higher_is_better) == (1.85, False)
+  assert scale.sweep_examples(task) == 11633
+  scale.check_batches(task, plan.batches)  # the largest fits the sweep split
+  assert plan.batches[-1] * 2 > scale.sweep_examples(task)
+  args = cli.parse(["scale", "--task", "charlm"])
+  assert (args.mode, args.task) == ("scale", "charlm")
+  assert cli.parse(["scale-summary"]).tasks == ["mnist1d", "resnet", "autoencoder", "charlm"]
