@@ -13,8 +13,9 @@ library's factors being averages per example, so a damping means the same at
 every batch), each in two variants (`VARIANTS`): plain, and stabilised
 (`stabilisers`: a linear warmup over the first 5 % of the steps, and for the
 first-order optimizers the gradient clipped to global norm 1; K-FAC's KL clip
-stays sized at the peak rate through the warmup): 6 trials for every optimizer. Every trial trains on the training set less a 20 % validation
-split (seed 0) for the batch's budget, the cosine decay spanning it; the trial
+stays sized at the peak rate through the warmup): 6 trials for every optimizer.
+Every trial trains on the training set less a 20 % validation split (seed 0)
+for the batch's budget, the cosine decay spanning it; the trial
 that reaches the target on the validation split in the fewest steps is chosen,
 or when none does the best final validation metric (diverged trials last;
 `choose`). When the chosen trial's factor is the lowest or the highest the
