@@ -97,3 +97,31 @@ def test_a_projected_advantage_counts_only_beyond_the_measured_error():
   assert ptt.established(0.2, errors[a100]) == "not established (preset never measured)"
   assert ptt.established(1.1, errors[h100]) == "no advantage"
   assert ptt.established(None, errors[h100]) == "n/a"
+
+
+def test_programs_counted_from_shapes_on_the_host_match_the_compiled_ones(monkeypatch):
+  """What a GPU run counts (the programs compiled for the CPU from shapes, `gpu_check.on_host`)
+  is what the CPU path counts from the programs it compiled and ran."""
+  s = production.setup("tiny_resnet", 2)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    sgd = production.sgd_step(s)
+    *kfac_step, kfac = production.kfac_step(s, gpu_check.CADENCES[0])
+  compiled = [gpu_check.compile_row(n, *p, s.batch)[0] for n, p in zip("SK", (sgd, kfac_step))]
+  direct, host = {}, {}
+  gpu_check._costs(direct, s, kfac, sgd, kfac_step, compiled)
+  monkeypatch.setattr(gpu_check.jax, "default_backend", lambda: "gpu")  # the path a GPU takes
+  gpu_check._costs(host, s, kfac, sgd, kfac_step, compiled)
+  assert host["flops_counted_on"] == "cpu"
+  for program in ("sgd", "kfac_step"):  # the same programs: the same flops (not the same bytes:
+    for kind in ("xla", "lapack"):  # the CPU path's were compiled with their carry donated)
+      assert host["flops"][program][kind] == direct["flops"][program][kind], program
+  # The phases compiled alone follow the device's strategy (no CPU loop on a GPU): the same work
+  # in other loops, counted within 1 %.
+  for phase in ("factors", "decompositions", "preconditioning"):
+    for kind in ("xla", "lapack"):
+      got, want = host["flops"][phase][kind], direct["flops"][phase][kind]
+      assert got == pytest.approx(want, rel=1e-2), (phase, kind)
+  # Every convolution and product is in the count: the K-FAC step holds SGD's and more.
+  assert direct["flops"]["kfac_step"]["xla"] > direct["flops"]["sgd"]["xla"] > 1e6
+  assert direct["flops"]["factors"]["xla"] > 0 and direct["flops"]["decompositions"]["lapack"] > 0
