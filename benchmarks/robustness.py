@@ -267,8 +267,9 @@ def _with_range(losses: list[float]) -> str:
 
 
 def tuned_rows(results: dict[str, Any]) -> dict[str, dict[str, float]]:
-  """Per problem with K-FAC tuned (`tune_kfac`): K-FAC's final loss at its defaults over the
-  baseline's (``ratio``), and the worst over the best final loss across `DAMPINGS` (``spread``)."""
+  """Per problem with K-FAC tuned (`tune_kfac`): K-FAC's final loss at each of `DAMPINGS` over the
+  baseline's (``ratios``), at its default damping (``ratio``), and the worst over the best final
+  loss across `DAMPINGS` (``spread``)."""
   rows = {}
   for name, r in results["problems"].items():
     if "tuned" in r:
@@ -276,7 +277,11 @@ def tuned_rows(results: dict[str, Any]) -> dict[str, dict[str, float]]:
       base = mean(r["baseline"][repr(r["lr"])])
       finals = [mean(t["dampings"][repr(d)]) for d in DAMPINGS]
       default = mean(t["dampings"][repr(preconditioning.DEFAULT_DAMPING)])
-      rows[name] = {"ratio": default / base, "spread": max(finals) / min(finals)}
+      rows[name] = {
+        "ratios": [f / base for f in finals],
+        "ratio": default / base,
+        "spread": max(finals) / min(finals),
+      }
   return rows
 
 
@@ -293,8 +298,7 @@ def tuned_table(results: dict[str, Any]) -> str:
   for name, row in rows.items():
     r = results["problems"][name]
     t = r["tuned"]
-    base = mean(r["baseline"][repr(r["lr"])])
-    cells = [_ratio(mean(t["dampings"][repr(d)]) / base) for d in DAMPINGS]
+    cells = [_ratio(x) for x in row["ratios"]]
     lines.append(
       f"| {name} | {r['optimizer']} {r['lr']:g}, {_with_range(r['baseline'][repr(r['lr'])])} "
       f"| {t['lr']:g}, {_with_range(t['dampings'][repr(default)])} | {_ratio(row['ratio'])} | "
@@ -398,6 +402,7 @@ def figure(results: dict[str, Any], path: Path) -> None:
   import matplotlib.pyplot as plt
 
   problems = results["problems"]
+  tuned = tuned_rows(results)
   cols = 4
   rows = -(-len(problems) // cols)
   fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
@@ -405,11 +410,9 @@ def figure(results: dict[str, Any], path: Path) -> None:
     for form in FORMS:
       dampings = [d for d in dampings_of(results, form) if repr(d) in r["kfac"][form]]
       ax.plot(dampings, [ratio(r, form, d) for d in dampings], "o-", label=form)
-    if "tuned" in r:
-      base = mean(r["baseline"][repr(r["lr"])])
-      tuned = [mean(r["tuned"]["dampings"][repr(d)]) / base for d in DAMPINGS]
+    if name in tuned:
       label = f"{preconditioning.DEFAULT_FORM}, K-FAC's own lr"
-      ax.plot(DAMPINGS, tuned, "k*--", label=label)
+      ax.plot(DAMPINGS, tuned[name]["ratios"], "k*--", label=label)
     ax.axhline(1.0, color="gray", lw=1, ls="--")
     ax.set(xscale="log", yscale="log", title=name, xlabel="damping")
   for ax in axes.flat[len(problems) :]:
