@@ -78,6 +78,11 @@ BLOCKS: dict[str, Block] = {
     "experiments.scale:summary_markdown",
     "python -m experiments scale-summary --publish",
   ),
+  "scaling targets": Block(
+    "scaling.json",
+    "experiments.scale:targets_readme",
+    "python -m experiments scale-summary --publish",
+  ),
   "step time": Block(
     "step_time.json", "benchmarks.step_time:render", "python benchmarks/step_time.py --publish"
   ),

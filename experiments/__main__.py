@@ -401,8 +401,9 @@ def add_scale_modes(mode: Callable[[str, str, str], argparse.ArgumentParser]) ->
     "gather several tasks' scaling studies into one file",
     f"Reads OUT/TASK/{scale.FOLDER}/{scale.LINES} of each task (skipping tasks without one) and "
     "writes every task's summary to OUT/scale-summary.json and its table to "
-    f"OUT/scale-summary.md; with --publish, also to benchmarks/results/{SCALE_RESULTS} and "
-    "docs/benchmarks/scaling.md.",
+    f"OUT/scale-summary.md; with --publish, also to benchmarks/results/{SCALE_RESULTS}, "
+    "docs/benchmarks/scaling.md and the README's scaling targets, where a task with no runs in "
+    "OUT keeps its published lines.",
   )
   add_tasks(gather, SCALE_TASKS, scale.PROTOCOLS)
   add_out(
@@ -660,13 +661,43 @@ def scale_mode(task: tasks.Task, args: argparse.Namespace, folder: Path) -> None
   print(f"results: {out}/*.jsonl, {out}/{scale.LINES}, {out}/scale.md, figure: {out}/scale.png")
 
 
+def scale_source(args: argparse.Namespace, name: str, lines: Sequence[dict[str, Any]]) -> str:
+  """Where a task's published scaling lines come from: the runs, the command, the versions."""
+  made = lines[0].get("versions", {})
+  packages = ", ".join(f"{k} {v}" for k, v in made.items() if k in ("jax", "flax", "optax"))
+  return (
+    f"runs of `python -m experiments scale --task {name}` in {args.out}/{name}/{scale.FOLDER}/"
+    + (f" ({packages})" if packages else "")
+  )
+
+
+def published_scaling() -> dict[str, Any]:
+  """The published scaling summary, each task's source given (older files had one for all)."""
+  path = generated.RESULTS / SCALE_RESULTS
+  if not path.exists():
+    return {"tasks": {}, "sources": {}}
+  results = json.loads(path.read_text())
+  sources = results.get("sources") or {t: results["provenance"] for t in results["tasks"]}
+  return {"tasks": results["tasks"], "sources": sources}
+
+
 def scale_summary(args: argparse.Namespace) -> None:
-  """Gathers the scaling studies of several tasks into one summary and its tables."""
-  summary: dict[str, Any] = {"tasks": {}}
+  """Gathers the scaling studies of several tasks into one summary and its tables.
+
+  With ``--publish``, a task with no runs in ``OUT`` keeps its published lines
+  and their source: publishing one task's new study leaves the others as they were.
+  """
+  summary: dict[str, Any] = {"tasks": {}, "sources": {}}
+  kept = published_scaling() if args.publish else {"tasks": {}, "sources": {}}
   for name in args.tasks:
     path = args.out / name / scale.FOLDER / scale.LINES
     if not path.exists():
-      print(f"{name}: no scaling results ({path}): skipped")
+      if name in kept["tasks"]:
+        summary["tasks"][name] = kept["tasks"][name]
+        summary["sources"][name] = kept["sources"][name]
+        print(f"{name}: no scaling results ({path}): kept the published lines")
+      else:
+        print(f"{name}: no scaling results ({path}): skipped")
       continue
     lines = scale.read_lines(path)
     problem = scale.mixed(lines) if lines else "no lines"
@@ -677,6 +708,7 @@ def scale_summary(args: argparse.Namespace) -> None:
         f"run `python -m experiments scale --task {name}` again into an empty folder"
       )
     summary["tasks"][name] = scale.summary_lines(lines)
+    summary["sources"][name] = scale_source(args, name, lines)
   if not summary["tasks"]:
     raise SystemExit(
       f"no scaling results in {args.out} for {' '.join(args.tasks)}: "
@@ -689,6 +721,8 @@ def scale_summary(args: argparse.Namespace) -> None:
   if args.publish:
     published(SCALE_RESULTS, {"provenance": provenance("scale-summary", args), **summary})
     for name, lines in summary["tasks"].items():
+      if name in kept["tasks"] and lines is kept["tasks"][name]:
+        continue  # its figure stays as published
       figure = FIGURES / f"scale-{name}.png"
       scale.plot(lines, figure)
       print(f"written: {figure}")

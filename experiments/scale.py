@@ -685,9 +685,10 @@ def summary_markdown(summary: Mapping[str, Any]) -> str:
   """Every task's table (`report`) of a summary ``{"tasks": {task: summary lines}}``.
 
   What ``python -m experiments scale-summary`` prints and writes, and the block ``scaling`` of
-  ``docs/benchmarks/scaling.md``.
+  ``docs/benchmarks/scaling.md``; the targets (`targets_markdown`) close it.
   """
-  return "\n\n".join(report(lines) for lines in summary["tasks"].values())
+  tables = [report(lines) for lines in summary["tasks"].values()]
+  return "\n\n".join([*tables, "### Targets", targets_markdown(summary)])
 
 
 def by_batch(lines: Sequence[Line]) -> dict[int, dict[str, Line]]:
@@ -764,44 +765,89 @@ def critical_text(table: Mapping[int, Mapping[str, Line]], name: str) -> str:
   return f"* {label}: {critical}{bound}; {steps[b0]:.0f} steps at batch {b0}"
 
 
+@dataclasses.dataclass(frozen=True)
+class Figures:
+  """One K-FAC variant's figures of merit on a task; None where undefined.
+
+  Attributes:
+    name: the K-FAC variant.
+    critical: its critical batch (`critical_batch`).
+    top: the first-order optimizer with the largest critical batch, and that batch.
+    largest: the largest batch where a first-order optimizer reaches the target.
+    best: the first-order optimizer with the fewest steps at ``largest``.
+    steps: the K-FAC variant's mean steps at ``largest`` and the best baseline's there.
+  """
+
+  name: str
+  critical: int | None
+  top: tuple[str, int] | None
+  largest: int | None
+  best: str | None
+  steps: tuple[float | None, float] | None
+
+  @property
+  def critical_ratio(self) -> float | None:
+    """K-FAC's critical batch over the best baseline's."""
+    if self.critical is None or self.top is None:
+      return None
+    return self.critical / self.top[1]
+
+  @property
+  def steps_ratio(self) -> float | None:
+    """K-FAC's steps over the best baseline's at ``largest`` (None: missed, or the baseline at 0)."""
+    if self.steps is None or self.steps[0] is None or self.steps[1] == 0:
+      return None
+    return self.steps[0] / self.steps[1]
+
+
+def figures(table: Mapping[int, Mapping[str, Line]], names: Sequence[str], k: str) -> Figures:
+  """The figures of merit of the K-FAC variant ``k`` among ``names`` (`Figures`)."""
+  critical = {n: critical_batch(steps_by_batch(table, n)) for n in names}
+  baselines = [(n, critical[n]) for n in names if not is_kfac(n) and critical[n] is not None]
+  top = max(baselines, key=lambda c: c[1]) if baselines else None
+  reached = [b for b, at in table.items() if best_baseline(at) is not None]
+  if not reached:
+    return Figures(k, critical[k], top, None, None, None)
+  largest = max(reached)
+  at = table[largest]
+  best = best_baseline(at)
+  return Figures(k, critical[k], top, largest, best, (mean_steps(at, k), mean_steps(at, best)))
+
+
 def merits(table: Mapping[int, Mapping[str, Line]], names: Sequence[str]) -> list[str]:
   """The figures of merit: each K-FAC variant's critical batch and steps against the baselines'."""
   label = {n: NAMES.get(n, n) for n in names}
-  critical = {n: critical_batch(steps_by_batch(table, n)) for n in names}
-  baselines = [(critical[n], n) for n in names if not is_kfac(n) and critical[n] is not None]
-  top = max(baselines, key=lambda c: c[0]) if baselines else None
-  reached = [b for b, at in table.items() if best_baseline(at) is not None]
-  largest = max(reached) if reached else None
   out = []
   for k in (n for n in names if is_kfac(n)):
+    f = figures(table, names, k)
     head = f"{label[k]}'s critical batch / the best baseline's"
-    if critical[k] is None:
+    if f.critical is None:
       out.append(f"* {head}: undefined ({label[k]} has none).")
-    elif top is None:
+    elif f.top is None:
       out.append(f"* {head}: undefined (no baseline has one).")
     else:
-      ratio = critical[k] / top[0]
-      out.append(f"* {head} ({label[top[1]]}, {top[0]}): {ratio:.2f}x ({critical[k]} / {top[0]}).")
-    if largest is None:
+      name, batch = f.top
+      out.append(
+        f"* {head} ({label[name]}, {batch}): {f.critical_ratio:.2f}x ({f.critical} / {batch})."
+      )
+    if f.largest is None:
       out.append(
         f"* {label[k]}'s steps against a baseline's at the largest batch it reaches: "
         "undefined (no baseline reaches the target at any batch)."
       )
       continue
-    at = table[largest]
-    best = best_baseline(at)
+    at = table[f.largest]
     head = (
-      f"* At batch {largest}, the largest where a baseline reaches the target "
-      f"({label.get(best, best)}, {mean_steps(at, best):.0f} steps)"
+      f"* At batch {f.largest}, the largest where a baseline reaches the target "
+      f"({label.get(f.best, f.best)}, {f.steps[1]:.0f} steps)"
     )
-    if mean_steps(at, k) is None:
+    if f.steps[0] is None:
       done = "not run" if k not in at else f"missed ({at[k]['reached']}/{at[k]['n_runs']})"
       out.append(f"{head}: {label[k]} {done}.")
-    elif mean_steps(at, best) == 0:
+    elif f.steps[1] == 0:
       out.append(f"{head}: no ratio (the baseline met it at step 0).")
     else:
-      ratio = mean_steps(at, k) / mean_steps(at, best)
-      out.append(f"{head}: {label[k]} {ratio:.2f}x its steps ({mean_steps(at, k):.0f}).")
+      out.append(f"{head}: {label[k]} {f.steps_ratio:.2f}x its steps ({f.steps[0]:.0f}).")
   return out
 
 
@@ -862,6 +908,7 @@ def method_text(lines: Sequence[Line]) -> str:
   )
   if not has_variants(first):
     return (
+      "Earlier protocol (3 plain rates, no extension, no seeds' range): "
       f"{grid_text}, on a {validation}: the fewest steps to the target, else the best final "
       f"metric. {cells}"
     )
@@ -929,6 +976,139 @@ def report(lines: Sequence[Line]) -> str:
     f"{chosen_head}: " + "; ".join(chosen_text(table, n) for n in names) + ".",
   ]
   return "\n".join(out)
+
+
+# The targets, as the README states them.
+
+CRITICAL_TARGET = 4.0  # K-FAC's critical batch over the best baseline's: at least this
+STEPS_TARGET = (
+  0.5  # K-FAC's steps over the best baseline's at the largest batch it reaches: at most
+)
+TASKS_TARGET = 2  # each target on at least this many tasks
+
+
+def at_edge(line: Line) -> bool | None:
+  """Whether the line's chosen setting sits at an end of its grid; None for an older line.
+
+  Older lines (`has_variants` false) tried 3 rates and never extended: their
+  edges were not checked.
+  """
+  return line["chosen_at_edge"] if has_variants(line) else None
+
+
+def edges(lines: Sequence[Line]) -> list[str]:
+  """``"AdamW at 128"`` for each line whose chosen setting still sits at an end of its grid."""
+  return [
+    f"{NAMES.get(x['optimizer'], x['optimizer'])} at {x['batch']}"
+    for x in sorted(lines, key=order)
+    if at_edge(x)
+  ]
+
+
+def target_row(table: Mapping[int, Mapping[str, Line]], f: Figures) -> tuple[list[str], str, str]:
+  """One K-FAC variant's row of the targets table, and its verdict on each target.
+
+  A verdict is ``"met"``, ``"missed"``, ``"undefined"``, ``"open"`` (K-FAC's
+  critical batch is the largest studied, so larger batches may still meet it),
+  or ``"met at an edge"`` (met, but a setting its figure compares sits at an end
+  of its grid, where a better rate may lie beyond).
+  """
+  label = NAMES.get(f.name, f.name)
+  largest_studied = max(table)
+  compared = [at[f.name] for at in table.values() if f.name in at]
+  if f.critical is None or f.top is None:
+    who = label if f.critical is None else "no baseline"
+    critical_cell, critical = f"undefined ({who} has none)", "undefined"
+  else:
+    name, batch = f.top
+    bound = "at least " if f.critical == largest_studied else ""
+    critical_cell = (
+      f"{bound}{f.critical} / {batch} ({NAMES.get(name, name)}) = {bound}{f.critical_ratio:.2f}x"
+    )
+    critical = "met" if f.critical_ratio >= CRITICAL_TARGET else "open" if bound else "missed"
+    if critical == "met" and edges(compared + [at[name] for at in table.values() if name in at]):
+      critical = "met at an edge"
+  if f.largest is None:
+    steps_cell, steps = "undefined (no baseline reaches the target)", "undefined"
+  else:
+    at = table[f.largest]
+    where = f"at {f.largest} ({NAMES.get(f.best, f.best)})"
+    if f.steps_ratio is None:
+      steps_cell, steps = f"{label} missed {where}", "missed"
+    else:
+      steps_cell = f"{f.steps_ratio:.2f}x {where}"
+      steps = "met" if f.steps_ratio <= STEPS_TARGET else "missed"
+      if steps == "met" and edges([at[f.name], at[f.best]]):
+        steps = "met at an edge"
+  return [label, critical_cell, critical, steps_cell, steps], critical, steps
+
+
+def targets(summary: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+  """The targets table's rows, and the verdicts as list items (`targets_markdown`)."""
+  rows, met, current, earlier = [], {"critical": [], "steps": []}, [], []
+  for task, lines in summary["tasks"].items():
+    table, names = by_batch(lines), names_of(lines)
+    new = has_variants(lines[0])
+    (current if new else earlier).append(task)
+    edge = ", ".join(edges(lines)) or "none" if new else "not checked (3 rates, no extension)"
+    for k in (n for n in names if is_kfac(n)):
+      cells, critical, steps = target_row(table, figures(table, names, k))
+      protocol = "current" if new else "earlier"
+      rows.append(f"| {task} | {protocol} | " + " | ".join(cells) + f" | {edge} |")
+      for target, verdict in (("critical", critical), ("steps", steps)):
+        if new and verdict == "met" and task not in met[target]:
+          met[target].append(task)
+  missing = [t for t in PROTOCOLS if t not in summary["tasks"]]
+
+  def verdict(target: str, text: str) -> str:
+    tasks = met[target]
+    held = "holds" if len(tasks) >= TASKS_TARGET else "does not hold"
+    which = f" ({', '.join(tasks)})" if tasks else ""
+    return (
+      f"* {text}, on at least {TASKS_TARGET} tasks: {held}; met on {len(tasks)} of the "
+      f"{len(current)} tasks run under the current protocol{which}."
+    )
+
+  verdicts = [
+    verdict(
+      "critical", f"K-FAC's critical batch at least {CRITICAL_TARGET:g}x the best baseline's"
+    ),
+    verdict(
+      "steps",
+      f"K-FAC at most {STEPS_TARGET:g}x the best baseline's steps at the largest batch where a "
+      "baseline still reaches the target",
+    ),
+  ]
+  if earlier or missing:
+    pending = [f"{t} (lines of the earlier protocol: 3 plain rates, no extension)" for t in earlier]
+    pending += [f"{t} (not run)" for t in missing]
+    verdicts.append(f"* Not counted, not yet run under the current protocol: {', '.join(pending)}.")
+  return rows, verdicts
+
+
+def targets_markdown(summary: Mapping[str, Any]) -> str:
+  """Which of the study's targets hold, task by task: a table, then the verdicts.
+
+  The targets: K-FAC's critical batch at least `CRITICAL_TARGET` times the
+  best baseline's, and at most `STEPS_TARGET` times the best baseline's steps
+  at the largest batch where a baseline still reaches the target, each on at
+  least `TASKS_TARGET` tasks. Only tasks run under the current protocol
+  (`has_variants`) count; a figure that compares a setting still at an end of
+  its grid does not (``met at an edge``, `target_row`).
+  """
+  rows, verdicts = targets(summary)
+  head = [
+    "| task | protocol | K-FAC | critical batch: K-FAC / best baseline | "
+    f">= {CRITICAL_TARGET:g}x | steps: K-FAC / best baseline, at the largest batch a baseline "
+    f"reaches | <= {STEPS_TARGET:g}x | settings at a grid edge |",
+    "|---|---|---|---|---|---|---|---|",
+  ]
+  return "\n".join([*head, *rows, "", *verdicts])
+
+
+def targets_readme(summary: Mapping[str, Any]) -> str:
+  """The verdicts alone (`targets`): the README's block ``scaling targets``."""
+  return "\n".join(targets(summary)[1])
 
 
 # The figure.
