@@ -18,7 +18,7 @@ each (optimizer, ``B``) is compiled at ``b = B`` and ``b = B / 64`` and
 interpolated (a third compile checks it). Per ``N`` the table gives each
 optimizer's fastest ``B``. Nothing here ran on the clusters named.
 
-Run: ``python benchmarks/projected_time_to_target.py [--tasks mnist1d resnet autoencoder]
+Run: ``python benchmarks/projected_time_to_target.py [--tasks TASK ...]
 [--scaling FILE] [--publish]``; prints the tables (`render`). ``--publish`` writes the
 projections to ``benchmarks/results/projected_time_to_target.json``, the tables into
 ``docs/benchmarks/projection.md`` (its block ``projected time to target``,
@@ -323,7 +323,9 @@ def figure(result: dict[str, Any], presets: list[str], path: Path) -> None:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--tasks", nargs="+", default=["mnist1d", "resnet", "autoencoder"])
+  parser.add_argument(
+    "--tasks", nargs="+", help="the tasks to project (default: every task of the summary)"
+  )
   parser.add_argument(
     "--scaling",
     type=Path,
@@ -336,6 +338,7 @@ def main() -> None:
     help=f"write benchmarks/results/{RESULTS}, its block in the docs and the figures",
   )
   args = parser.parse_args()
+  args.tasks = args.tasks or list(json.loads(args.scaling.read_text())["tasks"])
   results: dict[str, Any] = {
     "provenance": "written by `python benchmarks/projected_time_to_target.py --tasks "
     f"{' '.join(args.tasks)} --publish` from {args.scaling.name}, jax {jax.__version__}",

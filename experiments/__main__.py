@@ -719,9 +719,13 @@ def scale_summary(args: argparse.Namespace) -> None:
   files.write_text(args.out / "scale-summary.json", json.dumps(summary, indent=1) + "\n")
   files.write_text(args.out / "scale-summary.md", table + "\n")
   if args.publish:
-    published(SCALE_RESULTS, {"provenance": provenance("scale-summary", args), **summary})
+    source = provenance("scale-summary", args)
+    reused = [n for n, lines in summary["tasks"].items() if lines is kept["tasks"].get(n)]
+    if reused:
+      source += f"; {', '.join(reused)} kept from the published file (each task's: sources)"
+    published(SCALE_RESULTS, {"provenance": source, **summary})
     for name, lines in summary["tasks"].items():
-      if name in kept["tasks"] and lines is kept["tasks"][name]:
+      if name in reused:
         continue  # its figure stays as published
       figure = FIGURES / f"scale-{name}.png"
       scale.plot(lines, figure)

@@ -1071,6 +1071,9 @@ def test_scale_summary_publish_keeps_the_tasks_it_did_not_rerun(tmp_path, capsys
   assert list(after["tasks"]) == ["mnist1d", "resnet"]
   assert after["tasks"]["resnet"] == old and after["tasks"]["mnist1d"] == scale.summary_lines(new)
   assert after["sources"]["resnet"] == "transcribed"
+  assert after["provenance"].endswith(
+    "; resnet kept from the published file (each task's: sources)"
+  )
   assert (
     "--task mnist1d" in after["sources"]["mnist1d"] and "jax 9.9" in after["sources"]["mnist1d"]
   )
