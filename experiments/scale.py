@@ -30,7 +30,7 @@ batch the optimizers take turns, trial by trial (the extensions too) and seed by
 seed, so that the machine's slow spells fall on all alike.
 
 In ``docs/benchmarks/scaling.md`` (``benchmarks/results/scaling.json``) the
-autoencoder's table is of this protocol; MNIST-1D's and the ResNet's predate the
+MNIST-1D's and the autoencoder's tables are of this protocol; the ResNet's predates the
 stabilised variant, the extensions and the seeds' range, and ``charlm`` has not
 been run: ``python -m experiments scale --task TASK``, then ``python -m
 experiments scale-summary --publish``, regenerates a task's table and keeps the
