@@ -689,12 +689,14 @@ def scale_summary(args: argparse.Namespace) -> None:
   """
   summary: dict[str, Any] = {"tasks": {}, "sources": {}}
   kept = published_scaling() if args.publish else {"tasks": {}, "sources": {}}
+  reused = []  # the tasks whose published lines are kept
   for name in args.tasks:
     path = args.out / name / scale.FOLDER / scale.LINES
     if not path.exists():
       if name in kept["tasks"]:
         summary["tasks"][name] = kept["tasks"][name]
         summary["sources"][name] = kept["sources"][name]
+        reused.append(name)
         print(f"{name}: no scaling results ({path}): kept the published lines")
       else:
         print(f"{name}: no scaling results ({path}): skipped")
@@ -720,7 +722,6 @@ def scale_summary(args: argparse.Namespace) -> None:
   files.write_text(args.out / "scale-summary.md", table + "\n")
   if args.publish:
     source = provenance("scale-summary", args)
-    reused = [n for n, lines in summary["tasks"].items() if lines is kept["tasks"].get(n)]
     if reused:
       source += f"; {', '.join(reused)} kept from the published file (each task's: sources)"
     published(SCALE_RESULTS, {"provenance": source, **summary})

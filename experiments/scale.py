@@ -29,7 +29,7 @@ to the target (``steps_by_seed``) and the tables show their range. Within a
 batch the optimizers take turns, trial by trial (the extensions too) and seed by
 seed, so that the machine's slow spells fall on all alike.
 
-In ``docs/benchmarks/scaling.md`` (``benchmarks/results/scaling.json``) the
+In ``docs/benchmarks/scaling.md`` (``benchmarks/results/scaling.json``)
 MNIST-1D's and the autoencoder's tables are of this protocol; the ResNet's predates the
 stabilised variant, the extensions and the seeds' range, and ``charlm`` has not
 been run: ``python -m experiments scale --task TASK``, then ``python -m
@@ -983,9 +983,8 @@ def report(lines: Sequence[Line]) -> str:
 # The targets, as the README states them.
 
 CRITICAL_TARGET = 4.0  # K-FAC's critical batch over the best baseline's: at least this
-STEPS_TARGET = (
-  0.5  # K-FAC's steps over the best baseline's at the largest batch it reaches: at most
-)
+# K-FAC's steps over the best baseline's at the largest batch a baseline reaches: at most this
+STEPS_TARGET = 0.5
 TASKS_TARGET = 2  # each target on at least this many tasks
 
 
