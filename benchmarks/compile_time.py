@@ -17,8 +17,10 @@ Cold single measurements in one process move by 10 to 20 % between runs, so
 ``--fresh N`` then also compiles the 128-layer stack's two steps in ``N`` fresh
 processes (SGD then K-FAC in each, nothing compiled before) and prints each
 pair, the median ratio with its quartiles, and the ratio of the median times.
+``--fresh N --model resnet50`` (or ``bert_base``, ``bert_large``) does only that, for a
+production-shaped model of `benchmarks.production` at batch 2 (its steps, carry donated).
 
-Run: ``python benchmarks/compile_time.py [--quick] [--fresh N] [--publish]``. ``--publish``
+Run: ``python benchmarks/compile_time.py [--quick] [--fresh N [--model M]] [--publish]``. ``--publish``
 writes the results to ``benchmarks/results/compile_time.json`` (keeping each model's figures from
 before stacks) and the table (`render`) into ``docs/benchmarks/compile_time.md`` (its block
 ``compile time``, `benchmarks.generated`); the same file's ``stacks_step_time`` gives the page's
@@ -44,7 +46,7 @@ import optax
 import kaisa_jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks import generated
+from benchmarks import generated, production
 from benchmarks.step_time import interleaved_seconds
 from experiments.tasks import CHARS, TransformerBlock
 
@@ -52,6 +54,7 @@ BATCH = 64
 WIDTH = 128
 CADENCE = (10, 100)
 RESULTS = "compile_time.json"  # under benchmarks/results/
+PRODUCTION_BATCH = 2  # for --model: the batch of the production pages' CPU compile times
 LABELS = {"dense": "{depth} x Dense(128)", "transformer": "transformer, {depth} blocks"}
 
 
@@ -222,34 +225,46 @@ def render_step_comparison(results: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
-def cold_pair(depth: int) -> tuple[float, float]:
-  """Seconds to trace, lower and compile SGD's then K-FAC's step, nothing compiled before."""
-  model, x, y = dense_problem(depth)
-  fns, _ = steps(model, x, y)
+def cold_pair(model: str) -> tuple[float, float]:
+  """Seconds to trace, lower and compile SGD's then K-FAC's step, nothing compiled before.
+
+  ``model`` is a depth of the dense stack (``"128"``), or a production-shaped model of
+  `benchmarks.production` (``"resnet50"``) at batch `PRODUCTION_BATCH`, its steps as there.
+  """
+  if model.isdigit():
+    net, x, y = dense_problem(int(model))
+    fns, _ = steps(net, x, y)
+    pairs = [(fn, (*state, x, y), ()) for fn, state in fns.values()]
+  else:
+    s = production.setup(model, PRODUCTION_BATCH)
+    pairs = [
+      (fn, (*carry, s.batch), (0, 1, 2))
+      for fn, carry in (production.sgd_step(s), production.kfac_step(s, CADENCE)[:2])
+    ]
   seconds = []
-  for fn, state in fns.values():
-    lower, comp, _ = compile_seconds(fn, (*state, x, y))
+  for fn, args, donate in pairs:
+    lower, comp, _ = compile_seconds(fn, args, donate_argnums=donate)
     seconds.append(lower + comp)
   return seconds[0], seconds[1]
 
 
-def fresh_processes(depth: int, n: int) -> None:
-  """Prints each fresh process's pair, then the median ratio and its spread.
+def fresh_processes(model: str, n: int) -> None:
+  """Prints each fresh process's pair (`cold_pair`), then the median ratio and its spread.
 
   Single pairs on this kind of shared machine spread by tens of percent (the
   same compile can take 1.4 s or 2.2 s), so the verdict is the median over many
   processes, given with its quartiles and the ratio of the median times.
   """
+  label = f"{model} dense layers" if model.isdigit() else f"{model}, batch {PRODUCTION_BATCH}"
   times = []
   for i in range(n):
     out = subprocess.run(
-      [sys.executable, __file__, "--cold", str(depth)], capture_output=True, text=True, check=True
+      [sys.executable, __file__, "--cold", model], capture_output=True, text=True, check=True
     )
-    sgd, kfac = map(float, out.stdout.split())
+    sgd, kfac = map(float, out.stdout.split()[-2:])
     times.append((sgd, kfac))
     print(
-      f"fresh process {i + 1}: {depth} dense layers, SGD {sgd:.2f} s, K-FAC {kfac:.2f} s,"
-      f" {kfac / sgd:.2f}x",
+      f"fresh process {i + 1}: {label}, SGD {sgd:.2f} s, K-FAC {kfac:.2f} s, {kfac / sgd:.2f}x",
       flush=True,
     )
   ratios = [kfac / sgd for sgd, kfac in times]
@@ -271,7 +286,12 @@ def main() -> None:
   parser.add_argument(
     "--fresh", type=int, default=0, metavar="N", help="also the deepest stack in N fresh processes"
   )
-  parser.add_argument("--cold", type=int, help=argparse.SUPPRESS)  # one fresh process's pair
+  parser.add_argument(
+    "--model",
+    choices=[m for m in production.SHAPES if not m.startswith("tiny")],
+    help=f"with --fresh: only this production-shaped model's steps (batch {PRODUCTION_BATCH})",
+  )
+  parser.add_argument("--cold", help=argparse.SUPPRESS)  # one fresh process's pair
   parser.add_argument(
     "--publish",
     action="store_true",
@@ -282,8 +302,14 @@ def main() -> None:
     parser.error("--publish publishes a full run, not --quick")
   if args.fresh < 0:
     parser.error(f"--fresh takes a number of processes, 0 or more; got {args.fresh}")
+  if args.model and (args.fresh < 1 or args.publish or args.quick):
+    parser.error("--model compiles only that model in fresh processes: give --fresh N alone")
   if args.cold:
+    warnings.simplefilter("ignore")  # the parent reads the last line
     print(*cold_pair(args.cold))
+    return
+  if args.model:
+    fresh_processes(args.model, args.fresh)
     return
   blocks = 2 if args.quick else 3
   dense = (8, 32) if args.quick else (8, 32, 64, 128)
@@ -320,7 +346,7 @@ def main() -> None:
     for path in generated.publish(RESULTS, results):
       print(f"written: {path}")
   if args.fresh:
-    fresh_processes(last, args.fresh)
+    fresh_processes(str(last), args.fresh)
 
 
 if __name__ == "__main__":
