@@ -146,6 +146,8 @@ def _decompose_stack(
 
 # Elements of a decomposition buffer that `_keep_last_good` visits at once.
 CHUNK = 1 << 20
+# The largest buffer whose elements `_keep_last_good` indexes at runtime (int32 offsets).
+INDEXABLE = 2**31 - 1
 
 
 def _member_segments(groups: Sequence[Sequence[Array]], size: int) -> tuple[Callable, int]:
@@ -186,7 +188,8 @@ def _keep_last_good(
   (`_member_segments`). A member fails when any of its entries in any of
   its group's arrays is not finite. One reduction over the buffer decides
   whether any did; only then are the members told apart, `CHUNK` elements
-  at a time, so that the rare case costs neither memory nor compile time.
+  at a time, so that the rare case costs neither memory nor compile time
+  (array by array, `_by_array`, in a buffer too long for int32 offsets).
   """
   size = new.shape[0]
   chunk = min(CHUNK, size)
@@ -196,6 +199,8 @@ def _keep_last_good(
     return comm.vary(x, over_group=True)
 
   def some_failed():
+    if size > INDEXABLE:
+      return tuple(map(typed, _by_array(new, old, groups)))
     member, count = _member_segments(groups, size)
 
     def at(j):  # the last chunk overlaps the one before: both passes may visit an element twice
@@ -218,6 +223,20 @@ def _keep_last_good(
   return jax.lax.cond(
     jnp.all(jnp.isfinite(new)), lambda: (typed(new), typed(jnp.zeros([], jnp.int32))), some_failed
   )
+
+
+def _by_array(new: Array, old: Array, groups: Sequence[Sequence[Array]]) -> tuple[Array, Array]:
+  """`_keep_last_good`'s rare case with static offsets: kernels for every array, any size."""
+  parts, failures, start = [], jnp.zeros([], jnp.int32), 0
+  for arrays in groups:
+    k, spans = arrays[0].shape[0], []
+    for x in arrays:
+      spans.append(slice(start, start + x.size))
+      start += x.size
+    ok = jnp.stack([jnp.isfinite(new[s].reshape(k, -1)).all(axis=1) for s in spans]).all(axis=0)
+    parts += [jnp.where(ok[:, None], new[s].reshape(k, -1), old[s].reshape(k, -1)) for s in spans]
+    failures = failures + jnp.sum(~ok, dtype=jnp.int32)
+  return jnp.concatenate([*(p.reshape(-1) for p in parts), new[start:]]), failures
 
 
 def _decompose_owned(

@@ -327,10 +327,11 @@ def test_a_member_whose_decomposition_fails_counts_alone_and_keeps_its_last(monk
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(after))
 
 
-@pytest.mark.parametrize("chunk", [1, 5, 64, 1 << 20])
+@pytest.mark.parametrize("chunk", [1, 5, 64, 1 << 20, "by array"])
 def test_keep_last_good_matches_a_member_by_member_reference(monkeypatch, chunk):
   """Three groups (an eigen stack of 3, a diagonal one of 2, an eigen one of 1), two members
-  poisoned in one element each; at chunks that split members, overlap at the end, or hold all."""
+  poisoned in one element each; at chunks that split members, overlap at the end, or hold all,
+  and array by array, as in a buffer too long for int32 offsets."""
   rng = np.random.default_rng(0)
   shapes = [[(3, 4, 4), (3, 4)], [(2, 5)], [(1, 6, 6), (1, 6)]]
   new = [[rng.standard_normal(s).astype(np.float32) for s in g] for g in shapes]
@@ -342,7 +343,10 @@ def test_keep_last_good_matches_a_member_by_member_reference(monkeypatch, chunk)
   def flat(groups):
     return distribution.flatten_into([jnp.asarray(x) for g in groups for x in g], size, jnp.float32)
 
-  monkeypatch.setattr(phases, "CHUNK", chunk)
+  if chunk == "by array":
+    monkeypatch.setattr(phases, "INDEXABLE", size - 1)
+  else:
+    monkeypatch.setattr(phases, "CHUNK", chunk)
   single = distribution.Collectives("single", 1, 1)
   kept, failures = jax.jit(lambda a, b: phases._keep_last_good(a, b, new, single))(
     flat(new), flat(old)
