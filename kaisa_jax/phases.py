@@ -32,7 +32,7 @@ from kaisa_jax import hyperparameters as hp
 from kaisa_jax import layers as layers_lib
 from kaisa_jax.capture import Curvature
 from kaisa_jax.plan import Plan
-from kaisa_jax.stacking import LayerFactors, Stacks
+from kaisa_jax.stacking import LayerDecompositions, LayerFactors, Stacks
 from kaisa_jax.state import KFACState
 
 Array = jax.Array
@@ -133,110 +133,29 @@ def _inverse_damping(
 
 
 def _decompose_stack(
-  plan: Plan, members: Sequence[int], f: LayerFactors, damping: Array
-) -> list[list[Array]]:
-  """One stack's decomposition arrays, one list per factor, each array ``(k, ...)``."""
+  plan: Plan,
+  members: Sequence[int],
+  f: LayerFactors,
+  last: LayerDecompositions,
+  damping: Array,
+  failures: Array,
+) -> tuple[list[Array], Array]:
+  """One stack's decomposition arrays, a member's last good ones where its new ones are not finite.
+
+  Returns the arrays in buffer order and ``failures`` plus the factors that failed.
+  """
   spec, t = plan.layers[members[0]]
   shares = _inverse_damping(f, t, damping, layer_damping_form(spec, plan.damping_form))
-  return [
-    stacking.decomposition_arrays(preconditioning.decompose(factor, t.method, diag, share))
-    for factor, diag, share in zip(f, t.diagonal, shares, strict=True)
-  ]
-
-
-# Elements of a decomposition buffer that `_keep_last_good` visits at once.
-CHUNK = 1 << 20
-# The largest buffer whose elements `_keep_last_good` indexes at runtime (int32 offsets).
-INDEXABLE = 2**31 - 1
-
-
-def _member_segments(groups: Sequence[Sequence[Array]], size: int) -> tuple[Callable, int]:
-  """``fn(i)``: the member each index ``i`` of the flat buffer of ``groups`` belongs to; their count.
-
-  A group is one factor of a stack, its arrays ``(k, ...)`` laid one after
-  another (`distribution.flatten_into`); entry ``j`` of each array is member
-  ``j`` of the group. The buffer's zero padding, up to ``size``, is a member
-  of its own, the last.
-  """
-  starts, widths, bases, count, start = [], [], [], 0, 0
-  for arrays in groups:
-    k = arrays[0].shape[0]
-    for x in arrays:
-      starts.append(start)
-      widths.append(x.size // k)
-      bases.append(count)
-      start += x.size
-    count += k
-  starts, widths, bases = (
-    jnp.asarray([*v, last], jnp.int32)
-    for v, last in ((starts, start), (widths, max(size - start, 1)), (bases, count))
-  )
-
-  def fn(i):
-    which = jnp.searchsorted(starts, i, side="right") - 1
-    return bases[which] + (i - starts[which]) // widths[which]
-
-  return fn, count + 1
-
-
-def _keep_last_good(
-  new: Array, old: Array, groups: Sequence[Sequence[Array]], comm: distribution.Collectives
-) -> tuple[Array, Array]:
-  """``new`` where a member's decompositions are finite, else its ``old`` ones; and the failures.
-
-  ``new`` and ``old`` are flat buffers of one layout, that of ``groups``
-  (`_member_segments`). A member fails when any of its entries in any of
-  its group's arrays is not finite. One reduction over the buffer decides
-  whether any did; only then are the members told apart, `CHUNK` elements
-  at a time, so that the rare case costs neither memory nor compile time
-  (array by array, `_by_array`, in a buffer too long for int32 offsets).
-  """
-  size = new.shape[0]
-  chunk = min(CHUNK, size)
-  n_chunks = -(-size // chunk)
-
-  def typed(x):  # the branches of a `jax.lax.cond` and a loop's carry must agree on it
-    return comm.vary(x, over_group=True)
-
-  def some_failed():
-    if size > INDEXABLE:
-      return tuple(map(typed, _by_array(new, old, groups)))
-    member, count = _member_segments(groups, size)
-
-    def at(j):  # the last chunk overlaps the one before: both passes may visit an element twice
-      start = jnp.minimum(j * chunk, size - chunk)
-      return start, member(start + jnp.arange(chunk, dtype=jnp.int32))
-
-    def mark(j, bad):
-      start, m = at(j)
-      x = jax.lax.dynamic_slice(new, (start,), (chunk,))
-      return bad.at[m].max((~jnp.isfinite(x)).astype(jnp.int32))
-
-    def keep(j, flat):
-      start, m = at(j)
-      x, y = (jax.lax.dynamic_slice(z, (start,), (chunk,)) for z in (flat, old))
-      return jax.lax.dynamic_update_slice(flat, jnp.where(bad[m] > 0, y, x), (start,))
-
-    bad = jax.lax.fori_loop(0, n_chunks, mark, typed(jnp.zeros(count, jnp.int32)))
-    return typed(jax.lax.fori_loop(0, n_chunks, keep, typed(new))), typed(jnp.sum(bad))
-
-  return jax.lax.cond(
-    jnp.all(jnp.isfinite(new)), lambda: (typed(new), typed(jnp.zeros([], jnp.int32))), some_failed
-  )
-
-
-def _by_array(new: Array, old: Array, groups: Sequence[Sequence[Array]]) -> tuple[Array, Array]:
-  """`_keep_last_good`'s rare case with static offsets: kernels for every array, any size."""
-  parts, failures, start = [], jnp.zeros([], jnp.int32), 0
-  for arrays in groups:
-    k, spans = arrays[0].shape[0], []
-    for x in arrays:
-      spans.append(slice(start, start + x.size))
-      start += x.size
-    ok = jnp.stack([jnp.isfinite(new[s].reshape(k, -1)).all(axis=1) for s in spans]).all(axis=0)
-    parts += [jnp.where(ok[:, None], new[s].reshape(k, -1), old[s].reshape(k, -1)) for s in spans]
+  out = []
+  for factor, diag, previous, share in zip(f, t.diagonal, last, shares, strict=True):
+    arrays = stacking.decomposition_arrays(preconditioning.decompose(factor, t.method, diag, share))
+    ok = jnp.stack([preconditioning.finite_per_member(x) for x in arrays]).all(axis=0)
+    out += [
+      jnp.where(ok.reshape(-1, *[1] * (x.ndim - 1)), x, y)
+      for x, y in zip(arrays, stacking.decomposition_arrays(previous), strict=True)
+    ]
     failures = failures + jnp.sum(~ok, dtype=jnp.int32)
-  return jnp.concatenate([*(p.reshape(-1) for p in parts), new[start:]]), failures
+  return out, failures
 
 
 def _decompose_owned(
@@ -249,23 +168,16 @@ def _decompose_owned(
   factors: Array,
   previous: Array,
 ) -> tuple[Array, Array]:
-  """The branch of device ``(row, col)``: the buffer of its decompositions, and its failures.
-
-  A member of a stack whose new decompositions are not finite keeps its
-  previous ones (`_keep_last_good`).
-  """
+  """The branch of device ``(row, col)``: the buffer of its decompositions, and its failures."""
   stacks = plan.layout.stacks(row, col)
+  old = stacking.decomposition_stacks(plan, previous[0, col], stacks)
   new = stacking.factor_stacks(plan, factors[0, 0], stacks)
-  groups = [
-    arrays
-    for members, f in zip(stacks, new, strict=True)
-    for arrays in _decompose_stack(plan, members, f, damping)
-  ]
-  flat = distribution.flatten_into(
-    [x for arrays in groups for x in arrays], plan.layout.decomposition_size, dtype
-  )
-  flat, failures = _keep_last_good(flat, previous[0, col], groups, comm)
-  return flat[None, None], failures
+  out, failures = [], jnp.zeros([], jnp.int32)
+  for members, f, o in zip(stacks, new, old, strict=True):
+    arrays, failures = _decompose_stack(plan, members, f, o, damping, failures)
+    out += arrays
+  flat = distribution.flatten_into(out, plan.layout.decomposition_size, dtype)
+  return comm.vary(flat[None, None], over_group=True), comm.vary(failures, over_group=True)
 
 
 def decompose_factors(

@@ -16,7 +16,7 @@ from conftest import dense_stack
 from distributed_setup import relative_error, run
 
 import kaisa_jax
-from kaisa_jax import assignment, cost, cpu_loop, distribution, phases, preconditioning, stacking
+from kaisa_jax import assignment, cost, cpu_loop, preconditioning, stacking
 from kaisa_jax.layers import LayerSpec
 
 EIGEN = cost.Treatment("eigen")
@@ -325,41 +325,3 @@ def test_a_member_whose_decomposition_fails_counts_alone_and_keeps_its_last(monk
   after = kaisa_jax.layer_decompositions(kfac.plan, state)
   jax.tree.map(np.testing.assert_array_equal, after[names[1]], before[names[1]])
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(after))
-
-
-@pytest.mark.parametrize("chunk", [1, 5, 64, 1 << 20, "by array"])
-def test_keep_last_good_matches_a_member_by_member_reference(monkeypatch, chunk):
-  """Three groups (an eigen stack of 3, a diagonal one of 2, an eigen one of 1), two members
-  poisoned in one element each; at chunks that split members, overlap at the end, or hold all,
-  and array by array, as in a buffer too long for int32 offsets."""
-  rng = np.random.default_rng(0)
-  shapes = [[(3, 4, 4), (3, 4)], [(2, 5)], [(1, 6, 6), (1, 6)]]
-  new = [[rng.standard_normal(s).astype(np.float32) for s in g] for g in shapes]
-  old = [[rng.standard_normal(s).astype(np.float32) for s in g] for g in shapes]
-  new[0][1][1, 2] = np.nan  # group 0, member 1: in its eigenvalues only
-  new[2][0][0, 5, 5] = np.inf  # group 2, member 0: in its eigenvectors only
-  size = sum(x.size for g in new for x in g) + 3  # with padding
-
-  def flat(groups):
-    return distribution.flatten_into([jnp.asarray(x) for g in groups for x in g], size, jnp.float32)
-
-  if chunk == "by array":
-    monkeypatch.setattr(phases, "INDEXABLE", size - 1)
-  else:
-    monkeypatch.setattr(phases, "CHUNK", chunk)
-  single = distribution.Collectives("single", 1, 1)
-  kept, failures = jax.jit(lambda a, b: phases._keep_last_good(a, b, new, single))(
-    flat(new), flat(old)
-  )
-  expected = []
-  for gn, go in zip(new, old, strict=True):  # a member fails in every array of its group at once
-    failed = ~np.all([np.isfinite(x).reshape(len(x), -1).all(1) for x in gn], axis=0)
-    expected.append(
-      [np.where(failed.reshape(-1, *[1] * (n.ndim - 1)), o, n) for n, o in zip(gn, go, strict=True)]
-    )
-  np.testing.assert_array_equal(kept, flat(expected))
-  assert int(failures) == 2
-  clean = [[np.nan_to_num(x) for x in g] for g in new]
-  kept, failures = phases._keep_last_good(flat(clean), flat(old), clean, single)
-  np.testing.assert_array_equal(kept, flat(clean))
-  assert int(failures) == 0
