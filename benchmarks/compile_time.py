@@ -284,7 +284,11 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="fewer depths and timing blocks")
   parser.add_argument(
-    "--fresh", type=int, default=0, metavar="N", help="also the deepest stack in N fresh processes"
+    "--fresh",
+    type=int,
+    default=0,
+    metavar="N",
+    help="also the deepest stack in N fresh processes (with --model: that model alone)",
   )
   parser.add_argument(
     "--model",
