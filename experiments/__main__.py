@@ -394,6 +394,14 @@ def add_scale_modes(mode: Callable[[str, str, str], argparse.ArgumentParser]) ->
     eval_every=scale.EVAL_EVERY,
   )
   add_out(study, f"results folder; files go to OUT/TASK/{scale.FOLDER}/")
+  study.add_argument(
+    "--resume",
+    action="store_true",
+    help="read back every run an earlier study finished in OUT/TASK/scale/ with the same task, "
+    "seed, steps, settings and package versions instead of training it again, so that an "
+    "interrupted batch goes on from its last finished run (the code is not compared: resume "
+    "only a study of the same commit); default: train every run",
+  )
   add_progress(study)
 
   gather = mode(
@@ -649,7 +657,7 @@ def scale_mode(task: tasks.Task, args: argparse.Namespace, folder: Path) -> None
   protocol = scale.PROTOCOLS[args.task]
   try:
     plan = scale.make_plan(
-      protocol, args.batches, args.optimizers, args.seeds, args.steps, args.eval_every
+      protocol, args.batches, args.optimizers, args.seeds, args.steps, args.eval_every, args.resume
     )
     scale.check_batches(task, plan.batches)
     kept = scale.kept_lines(out / scale.LINES, plan)

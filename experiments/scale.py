@@ -65,7 +65,7 @@ from experiments.optimizers import is_kfac
 from experiments.report import NAMES, to_target
 from experiments.sweep import VALIDATION_FRACTION, pick
 from experiments.tasks import Task, with_validation
-from experiments.train import train, versions
+from experiments.train import finished_run, run_config, train, versions
 
 FOLDER = "scale"  # under OUT/TASK/
 LINES = "scale.jsonl"
@@ -183,6 +183,8 @@ class Plan:
     overridden: whether ``budgets`` replace the protocol's (``--steps``).
     eval_every: steps between evaluations.
     centres: each optimizer's settings at batch `REFERENCE_BATCH`.
+    resume: whether a run whose file an earlier study finished alike is
+      read back instead of trained again (`train_or_reuse`).
   """
 
   batches: tuple[int, ...]
@@ -192,6 +194,7 @@ class Plan:
   overridden: bool
   eval_every: int
   centres: dict[str, dict[str, float]]
+  resume: bool = False
 
 
 def grid(
@@ -256,10 +259,12 @@ def make_plan(
   seeds: Sequence[int],
   steps: int | None,
   eval_every: int,
+  resume: bool = False,
 ) -> Plan:
   """The plan of a run: the protocol's batches and optimizers unless given.
 
-  ``steps`` replaces every batch's budget. Raises `ValueError` for an
+  ``steps`` replaces every batch's budget; ``resume`` reads back the runs an
+  earlier study finished alike (`Plan`). Raises `ValueError` for an
   optimizer the protocol has no centre for, or a batch it has no budget for
   (unless ``steps`` is given).
   """
@@ -281,7 +286,14 @@ def make_plan(
   budgets = {b: steps or protocol.budgets[b] for b in batches}
   centres = {n: protocol.centres[n] for n in names}
   return Plan(
-    tuple(batches), tuple(names), tuple(seeds), budgets, steps is not None, eval_every, centres
+    tuple(batches),
+    tuple(names),
+    tuple(seeds),
+    budgets,
+    steps is not None,
+    eval_every,
+    centres,
+    resume,
   )
 
 
@@ -374,6 +386,11 @@ def train_once(
       "seconds_to_target": None,
       "training_seconds": None,
     }
+  return run_summary(task, records)
+
+
+def run_summary(task: Task, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+  """`train_once`'s summary of a run that did not diverge, from its records."""
   hit = to_target(records, task)
   return {
     "steps_to_target": None if hit is None else hit[0],
@@ -382,6 +399,32 @@ def train_once(
     "seconds_to_target": None if hit is None else hit[1],
     "training_seconds": records[-1]["wall_seconds"],
   }
+
+
+def train_or_reuse(
+  plan: Plan,
+  task: Task,
+  name: str,
+  settings: dict[str, Any],
+  steps: int,
+  seed: int,
+  path: Path,
+  progress: bool,
+  extra: dict[str, Any],
+) -> dict[str, Any]:
+  """`train_once`, unless ``plan.resume`` and ``path`` holds this run finished alike.
+
+  Alike: the same config (task, seed, steps, settings, trial) and package
+  versions (`experiments.train.finished_run`); its records, clock included,
+  are then summarised as they stand. A diverged run leaves no file and trains
+  again. The code itself is not compared: resume only a study of this commit.
+  """
+  if plan.resume:
+    opt = optimizers.from_settings(name, settings)
+    records = finished_run(path, run_config(task, opt, steps, seed, extra))
+    if records is not None:
+      return run_summary(task, records)
+  return train_once(task, name, settings, steps, seed, plan.eval_every, path, progress, extra)
 
 
 def result_line(
@@ -464,8 +507,8 @@ def train_trials(
         "lr_factor": trial["factor"],
         "variant": trial["variant"],
       }
-      summary = train_once(
-        val_task, n, trial["settings"], steps, TRIAL_SEED, plan.eval_every, path, progress, extra
+      summary = train_or_reuse(
+        plan, val_task, n, trial["settings"], steps, TRIAL_SEED, path, progress, extra
       )
       trials[n].append({"trial": number, **trial, **summary, "chosen": False})
 
@@ -517,8 +560,8 @@ def run_batch(task: Task, plan: Plan, batch: int, out: Path, progress: bool) -> 
       chosen = next(t for t in trials[n] if t["chosen"])
       path = out / f"{n}-b{batch}-seed{s}.jsonl"
       extra = common | {"settings_from": f"scale sweep, trial {chosen['trial']}"}
-      summary = train_once(
-        at_batch, n, chosen["settings"], steps, s, plan.eval_every, path, progress, extra
+      summary = train_or_reuse(
+        plan, at_batch, n, chosen["settings"], steps, s, path, progress, extra
       )
       runs[n].append({"seed": s, **summary})
   return [result_line(task, plan, batch, n, trials[n], runs[n]) for n in plan.names]

@@ -130,6 +130,40 @@ def make_step(
   return tx, step
 
 
+def run_config(
+  task: Task, opt: Optimizer, steps: int, seed: int, extra_config: dict[str, Any] | None = None
+) -> dict[str, Any]:
+  """The ``config`` of every record `train` writes: task, seed, optimizer settings, ``extra_config``."""
+  config = {
+    "task": task.name,
+    "seed": seed,
+    "steps": steps,
+    "batch_size": task.batch_size,
+    "metric_name": task.metric_name,
+    "target": task.target,
+    "higher_is_better": task.higher_is_better,
+  }
+  return config | opt.config() | (extra_config or {})
+
+
+def finished_run(path: Path, config: dict[str, Any]) -> list[dict[str, Any]] | None:
+  """The records of a run `train` finished into ``path`` with ``config``, or None.
+
+  None unless the file exists, every record holds ``config`` (as JSON gives it
+  back) and this process's `versions`, and the last record is at
+  ``config["steps"]``: a file is only ever written whole (`atomic_open`), so this
+  is the run `train` would write again, its clock aside, when the code is the same.
+  """
+  if not path.exists():
+    return None
+  records = [json.loads(line) for line in path.read_text().splitlines()]
+  expected, made = json.loads(json.dumps(config)), versions()
+  made_alike = all(r["config"] == expected and r["versions"] == made for r in records)
+  if not records or not made_alike or records[-1]["step"] != config["steps"]:
+    return None
+  return records
+
+
 def train(
   task: Task,
   opt: Optimizer,
@@ -176,17 +210,7 @@ def train(
   def evaluate(params, state):
     return task.evaluate(params, state, (x[seen], y[seen]), (x_test, y_test))
 
-  config = {
-    "task": task.name,
-    "seed": seed,
-    "steps": steps,
-    "batch_size": task.batch_size,
-    "metric_name": task.metric_name,
-    "target": task.target,
-    "higher_is_better": task.higher_is_better,
-  }
-  config |= opt.config() | (extra_config or {})
-  meta = {"config": config, "versions": versions()}
+  meta = {"config": run_config(task, opt, steps, seed, extra_config), "versions": versions()}
   index = batches(len(task.train[0]), task.batch_size, seed)
   first = next(index)
   # Compile outside the clock.

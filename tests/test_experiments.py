@@ -555,6 +555,29 @@ def test_scale_writes_its_files_reproducibly(small_tasks, tmp_path, monkeypatch)
   assert (out / "scale.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   assert (out / "scale.png").read_bytes() == (again / "scale.png").read_bytes()
 
+  # --resume reads back every run finished alike: nothing trains, the clocks are kept.
+  trained = []
+  real_train = scale.train
+
+  def counted(task, opt, steps, seed, eval_every, path, *args, **kwargs):
+    trained.append(path.name)
+    return real_train(task, opt, steps, seed, eval_every, path, *args, **kwargs)
+
+  monkeypatch.setattr(scale, "train", counted)
+  cli.main([*argv, "--out", str(tmp_path / "first"), "--resume"])
+  assert trained == [] and read(out / "scale.jsonl") == lines
+  # A run lost to an interruption, and one made with other settings, train again.
+  (out / "sgd-b8-seed1.jsonl").unlink()
+  other = read(out / "sgd-b16-trial2.jsonl")
+  for record in other:
+    record["config"]["lr"] *= 2
+  (out / "sgd-b16-trial2.jsonl").write_text("".join(json.dumps(r) + "\n" for r in other))
+  cli.main([*argv, "--out", str(tmp_path / "first"), "--resume"])
+  assert sorted(trained) == ["sgd-b16-trial2.jsonl", "sgd-b8-seed1.jsonl"]
+  for name in runs:
+    assert strip_wall(read(out / name)) == strip_wall(read(again / name)), name
+  assert strip_clock(read(out / "scale.jsonl")) == strip_clock(lines)
+
 
 def test_scale_keeps_earlier_lines_only_when_made_alike(small_tasks, monkeypatch, tmp_path):
   out = tmp_path / "mnist1d" / "scale"
