@@ -30,9 +30,8 @@ batch the optimizers take turns, trial by trial (the extensions too) and seed by
 seed, so that the machine's slow spells fall on all alike.
 
 In ``docs/benchmarks/scaling.md`` (``benchmarks/results/scaling.json``)
-MNIST-1D's and the autoencoder's tables are of this protocol; the ResNet's predates the
-stabilised variant, the extensions and the seeds' range, and ``charlm`` has not
-been run: ``python -m experiments scale --task TASK``, then ``python -m
+MNIST-1D's, the autoencoder's and the ResNet's tables are of this protocol, and
+``charlm`` has not been run: ``python -m experiments scale --task TASK``, then ``python -m
 experiments scale-summary --publish``, regenerates a task's table and keeps the
 others'. Their lines render as they always did, and the targets
 (`targets_markdown`) count only the tasks of this protocol.
