@@ -158,7 +158,7 @@ def finished_run(path: Path, config: dict[str, Any]) -> list[dict[str, Any]] | N
     return None
   records = [json.loads(line) for line in path.read_text().splitlines()]
   expected, made = json.loads(json.dumps(config)), versions()
-  made_alike = all(r["config"] == expected and r["versions"] == made for r in records)
+  made_alike = all(r.get("config") == expected and r.get("versions") == made for r in records)
   if not records or not made_alike or records[-1]["step"] != config["steps"]:
     return None
   return records
