@@ -148,8 +148,13 @@ def _decompose_stack(
   shares = _inverse_damping(f, t, damping, layer_damping_form(spec, plan.damping_form))
   out = []
   for factor, diag, previous, share in zip(f, t.diagonal, last, shares, strict=True):
-    arrays = stacking.decomposition_arrays(preconditioning.decompose(factor, t.method, diag, share))
-    ok = jnp.stack([preconditioning.finite_per_member(x) for x in arrays]).all(axis=0)
+    dec = preconditioning.decompose(factor, t.method, diag, share)
+    arrays = stacking.decomposition_arrays(dec)
+    # An eigendecomposition is judged by its eigenvalues alone: a failed ``eigh`` returns NaN
+    # in both outputs, and a non-finite factor gives non-finite eigenvalues. Testing the
+    # eigenvectors too added a reduction per factor: ResNet-50's phase compiled alone in 8.5 s
+    # against 7.6 s without it (2 busy CPU cores).
+    ok = preconditioning.finite_per_member(dec.basis if dec.values is None else dec.values)
     out += [
       jnp.where(ok.reshape(-1, *[1] * (x.ndim - 1)), x, y)
       for x, y in zip(arrays, stacking.decomposition_arrays(previous), strict=True)
@@ -189,9 +194,10 @@ def decompose_factors(
   """Phase 2: each device decomposes the factors it owns; its group receives them.
 
   Each stack of equal shapes is decomposed by one batched call. A decomposition
-  that is not finite (a failed ``eigh`` or Cholesky) keeps the factor's previous
-  decomposition and is counted. The inverse method damps each factor here by
-  its share of the damping of the plan's form (`preconditioning.side_damping`).
+  that is not finite (a failed ``eigh`` or Cholesky; for ``eigh``, its
+  eigenvalues) keeps the factor's previous decomposition and is counted. The
+  inverse method damps each factor here by its share of the damping of the
+  plan's form (`preconditioning.side_damping`).
   """
   layout = plan.layout
   dtype = preconditioning.decomposition_dtype(state.factors.dtype)

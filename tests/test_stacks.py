@@ -325,3 +325,33 @@ def test_a_member_whose_decomposition_fails_counts_alone_and_keeps_its_last(monk
   after = kaisa_jax.layer_decompositions(kfac.plan, state)
   jax.tree.map(np.testing.assert_array_equal, after[names[1]], before[names[1]])
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(after))
+
+
+def test_a_factor_that_is_not_finite_fails_its_real_decomposition_alone():
+  """No stand-in for ``eigh``: a NaN in member 2's ``A`` gives non-finite eigenvalues, which is
+  what the fallback tests; that decomposition alone keeps its last, the others are renewed
+  (every factor doubled: their eigenvalues double)."""
+  kfac, params, step = _deep(4)
+  (members,) = kfac.plan.layout.all_stacks()
+  names = [kfac.plan.layers[i][0].name for i in members]
+  step = jax.jit(step)
+  _, state = step(params, kfac.init(params))  # step 0 decomposes
+  before = kaisa_jax.layer_decompositions(kfac.plan, state)
+  a = np.asarray(kaisa_jax.layer_factors(kfac.plan, state)[names[2]].a).ravel()
+  flat = np.asarray(state.factors).ravel()
+  (start,) = [i for i in range(flat.size - a.size + 1) if np.array_equal(flat[i : i + a.size], a)]
+  poisoned = 2 * flat  # every eigenvalue renewed doubles
+  poisoned[start + a.size // 2] = np.nan
+  state = state._replace(
+    factors=jnp.asarray(poisoned.reshape(state.factors.shape)), refresh=jnp.asarray(True)
+  )
+  _, state = step(params, state)
+  assert int(state.failed_decompositions) == 1
+  after = kaisa_jax.layer_decompositions(kfac.plan, state)
+  jax.tree.map(np.testing.assert_array_equal, after[names[2]].a, before[names[2]].a)
+  for name in names:
+    for side in ("g",) if name == names[2] else ("a", "g"):
+      np.testing.assert_allclose(
+        getattr(after[name], side).values, 2 * getattr(before[name], side).values, atol=1e-6
+      )
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(after))
