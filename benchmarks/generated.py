@@ -115,21 +115,22 @@ BLOCKS: dict[str, Block] = {
   "gpu check": Block(
     "gpu_check.json",
     "benchmarks.gpu_check:render",
-    "python benchmarks/gpu_check.py --out benchmarks/results/gpu_check.json (on the GPU), then "
+    "python benchmarks/gpu_check.py --repeats 1 --out benchmarks/results/gpu_check.json (on the "
+    "GPU), then python benchmarks/generated.py",
+  ),
+  "gpu check xla defaults": Block(
+    "gpu_check_xla_defaults.json",
+    "benchmarks.gpu_check:render",
+    "XLA_FLAGS=--xla_gpu_enable_triton_gemm=true python benchmarks/gpu_check.py --repeats 1 "
+    "--no-projection --out benchmarks/results/gpu_check_xla_defaults.json (on the GPU), then "
     "python benchmarks/generated.py",
   ),
   "gpu check autotuning off": Block(
     "gpu_check_autotune0.json",
     "benchmarks.gpu_check:render",
-    "XLA_FLAGS=--xla_gpu_autotune_level=0 python benchmarks/gpu_check.py --models resnet50 "
-    "--steps 11 --repeats 1 --out benchmarks/results/gpu_check_autotune0.json (on the GPU), then "
-    "python benchmarks/generated.py",
-  ),
-  "gpu check bert h200": Block(
-    "gpu_check_bert_h200.json",
-    "benchmarks.gpu_check:render",
-    "python benchmarks/gpu_check.py --models bert_base --steps 11 --repeats 1 --out "
-    "benchmarks/results/gpu_check_bert_h200.json (on the GPU), then python benchmarks/generated.py",
+    "XLA_FLAGS='--xla_gpu_autotune_level=0 --xla_gpu_enable_triton_gemm=true' python "
+    "benchmarks/gpu_check.py --models resnet50 --steps 11 --repeats 1 --out "
+    "benchmarks/results/gpu_check_autotune0.json (on the GPU), then python benchmarks/generated.py",
   ),
   "production plans": Block(
     "production_plans.json",

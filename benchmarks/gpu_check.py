@@ -10,9 +10,7 @@ For each model at a per-device batch of 32 (`benchmarks.production`), this print
   amortised; each against SGD and against the ratio of their flops (XLA's count of the programs
   compiled for the host's CPU, which holds every convolution and product where a GPU's count
   leaves out its library calls (`_costs`), with the decompositions added at `kaisa_jax.cost`'s
-  flop-equivalents, as `kaisa_jax.analysis.projection` counts them; the runs in
-  ``benchmarks/results/gpu_check*.json`` counted on the GPU itself, and the first ``9 n^3`` per
-  ``eigh``);
+  flop-equivalents, as `kaisa_jax.analysis.projection` counts them);
 * the decomposition phase alone: one ``eigh`` and one Cholesky inverse per distinct factor size,
   and each stack of the plan as the step decomposes it (one batched call);
 * the step that each cluster preset of `kaisa_jax.cluster` projects for one device
@@ -20,11 +18,10 @@ For each model at a per-device batch of 32 (`benchmarks.production`), this print
   measured rates (`measure_host`), each against the measured step;
 * the losses of the first steps on the fixed batch (they must fall).
 
-Run: ``python benchmarks/gpu_check.py [--out gpu_check.json]`` on the machine with the GPU: about
-10 minutes on one H100, most of it compiling (the ResNet-50 part took about 6.5 minutes, of which
-K-FAC's step compiled in 206 s and its phases, compiled alone for the GPU's flop count, in 125
-s; they are now compiled for the CPU instead, not yet timed on a GPU machine; ``--no-projection``
-skips the count and the projections). ``--tiny`` runs the same code on toy
+Run: ``python benchmarks/gpu_check.py [--out gpu_check.json]`` on the machine with the GPU. It
+turns XLA's Triton GEMM fusions off (`TRITON_GEMM`) unless ``XLA_FLAGS`` sets them: on one H200
+the whole check then took 243 s, against 548 s with XLA's defaults and without the flop count
+(``--no-projection`` skips the count and the projections). ``--tiny`` runs the same code on toy
 versions of both models on any machine (the tests run it on the CPU).
 """
 
@@ -32,10 +29,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -50,6 +49,11 @@ from benchmarks.compile_time import compile_seconds
 from kaisa_jax import cluster as cluster_lib
 from kaisa_jax.analysis import projection
 
+# XLA autotunes each Triton GEMM fusion on a GPU at compile time, one search per product shape.
+# On an H200 that made K-FAC's ResNet-50 step compile in 213 s against 17 s with those fusions
+# off, at the same step time (docs/benchmarks/production.md). The check turns them off unless
+# XLA_FLAGS already sets them.
+TRITON_GEMM = "--xla_gpu_enable_triton_gemm"
 CADENCES = ((10, 100), (50, 500))  # KAISA's, and one typical of large runs
 TINY = {"resnet50": "tiny_resnet", "bert_base": "tiny_bert", "bert_large": "tiny_bert"}
 
@@ -61,8 +65,19 @@ def environment() -> dict[str, Any]:
     "device": f"{device.platform}: {device.device_kind}",
     "devices": jax.device_count(),
     "python": platform.python_version(),
+    "xla_flags": os.environ.get("XLA_FLAGS", ""),
     **{name: metadata.version(name) for name in ("jax", "jaxlib", "flax", "optax")},
   }
+
+
+def default_xla_flags() -> None:
+  """Turns XLA's Triton GEMM fusions off (`TRITON_GEMM`) unless XLA_FLAGS sets them either way.
+
+  XLA reads XLA_FLAGS when the first computation starts its backend, so this runs before any.
+  """
+  flags = os.environ.get("XLA_FLAGS", "")
+  if TRITON_GEMM not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} {TRITON_GEMM}=false".strip()
 
 
 def say(*args: Any, end: str = "\n") -> None:
@@ -120,20 +135,13 @@ def _timed_steps(row, s: production.Setup, sgd, kfac, steps: int) -> float | Non
   return float(np.mean(kfac_seconds[1 : cycle + 1])) if steps > cycle else None
 
 
-def on_host(tree: Any) -> Any:
-  """``tree``'s arrays as shapes placed on the host's CPU: a program lowered for them compiles
-  for the CPU, whatever the default backend."""
-  cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cpu), tree)
-
-
 def _costs(row, s: production.Setup, kfac, sgd, kfac_step, compiled) -> tuple:
   """Each program's cost as XLA's CPU compiler counts it, K-FAC's phases compiled alone.
 
   On a GPU, XLA's cost analysis leaves out the convolutions and most matrix products (they run
-  as library calls): SGD's step on ResNet-50 counts 8.8e9 of its about 7.9e11 flops. The CPU's
-  count holds every operation, so on any device the programs are counted as compiled for the
-  host's CPU (on a CPU, the programs already compiled).
+  as library calls): SGD's step on ResNet-50 counts 8.8e9 of its about 7.9e11 flops. On any
+  device the programs are counted as compiled for the host's CPU (`projection.on_host`; on a
+  CPU, the programs already compiled).
   """
   start = time.perf_counter()
   # The programs are compiled from shapes: the gradient and curvature need not be computed.
@@ -142,10 +150,12 @@ def _costs(row, s: production.Setup, kfac, sgd, kfac_step, compiled) -> tuple:
   if jax.default_backend() == "cpu":
     sgd_cost, kfac_cost = map(projection.program_cost, compiled)
   else:
-    sgd_cost = projection.cost_of(sgd_fn, *on_host((*sgd_carry, s.batch)))
-    kfac_cost = projection.cost_of(kfac_fn, *on_host((*kfac_carry, s.batch)))
-  state = on_host(kfac_carry[2][0])
-  work = projection.kfac_work(kfac, state, on_host(grads), on_host(curvature), *CADENCES[0])
+    sgd_cost = projection.cost_of(sgd_fn, *projection.on_host((*sgd_carry, s.batch)))
+    kfac_cost = projection.cost_of(kfac_fn, *projection.on_host((*kfac_carry, s.batch)))
+  state = projection.on_host(kfac_carry[2][0])
+  work = projection.kfac_work(
+    kfac, state, projection.on_host(grads), projection.on_host(curvature), *CADENCES[0]
+  )
   say(f"  programs compiled for the CPU's flop count in {time.perf_counter() - start:.1f} s")
   row["flops_counted_on"] = "cpu"
   row["flops"] = {
@@ -194,9 +204,18 @@ def _decompositions(row, kfac: kaisa_jax.KFAC, repeats: int) -> None:
 
 
 def check_model(
-  name: str, batch: int, steps: int, repeats: int, project: bool = True
+  name: str,
+  batch: int,
+  steps: int,
+  repeats: int,
+  project: bool = True,
+  save: Callable[[dict[str, Any]], None] = lambda row: None,
 ) -> dict[str, Any]:
-  """Every figure of the module docstring for one model; prints them as they come."""
+  """Every figure of the module docstring for one model; prints them as they come.
+
+  ``save`` is called with the row so far after each stage, so that a run stopped midway (a
+  device lent for a fixed time) keeps what it measured.
+  """
   start = time.perf_counter()
   s = production.setup(name, batch)
   say(f"\n== {s.shape.label}, batch {batch} (set up in {time.perf_counter() - start:.1f} s)")
@@ -214,11 +233,15 @@ def check_model(
   }
   say(f"  plan: {row['layers']} layers, {row['stacks']} stacks, treatments {row['treatments']}")
   sgd_c, kfac_c = _compiled(row, s, (sgd_fn, sgd_carry), (kfac_fn, kfac_carry))
+  save(row)
   measured = _timed_steps(row, s, (sgd_c, sgd_carry), (kfac_c, kfac_carry), steps)
+  save(row)
   programs = ((sgd_fn, sgd_carry), (kfac_fn, kfac_carry))
   costs = _costs(row, s, kfac, *programs, (sgd_c, kfac_c)) if project else (None,) * 3
   _cadences(row, measured, costs[0], costs[2])
+  save(row)
   _decompositions(row, kfac, repeats)
+  save(row)
   if project:
     row["projections"] = projections(*costs, row["sgd_step"], row["cadences"][0]["kfac_step"])
   return row
@@ -255,10 +278,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   batch = 4 if args.tiny else args.batch
   results: dict[str, Any] = {"environment": environment(), "models": {}, "failed": {}}
   say(results["environment"])
+
+  def save(name: str, row: dict[str, Any]) -> None:
+    """Writes a model's figures so far, apart from the finished ones (`render` reads those)."""
+    if args.out is not None:
+      partial = {**results, "unfinished": {name: row}}
+      args.out.write_text(json.dumps(partial, indent=1))
+
   for name in models:
     try:
       results["models"][name] = check_model(
-        name, batch, args.steps, args.repeats, not args.no_projection
+        name,
+        batch,
+        args.steps,
+        args.repeats,
+        not args.no_projection,
+        save=lambda row, name=name: save(name, row),
       )
     except Exception:  # one model's failure must not lose the other's figures
       results["failed"][name] = traceback.format_exc()
@@ -330,10 +365,13 @@ def _decomposition_table(models: dict[str, Any]) -> list[str]:
 def comparable(cluster: str, kind: str) -> bool:
   """Whether a projection on ``cluster`` can be checked on a device of ``kind``.
 
-  The rates measured on the device itself always can; a preset only on its own GPU.
+  The rates measured on the device itself always can; a preset on its own GPU, and the H100's
+  on an H200: the same chip at the same FP32 peak, with faster memory (4.8 TB/s against 3.35),
+  so that the preset projects an H200's memory-bound work up to 1.4x too slow.
   """
+  kinds = {"A100": ("A100",), "H100": ("H100", "H200")}
   return cluster.startswith("measured here") or any(
-    gpu in cluster and gpu in kind for gpu in ("A100", "H100")
+    gpu in cluster and any(k in kind for k in on) for gpu, on in kinds.items()
   )
 
 
@@ -356,9 +394,11 @@ def _projection_table(models: dict[str, Any], kind: str) -> list[str]:
 def render(results: dict[str, Any]) -> str:
   """The check's tables: steps and compile, decompositions by size, projections against measured."""
   env = results["environment"]
+  flags = f", XLA_FLAGS={env['xla_flags']}" if env.get("xla_flags") else ""
   head = (
     f"Measured on {env['device']} ({env['devices']} device), Python {env['python']}, JAX "
-    f"{env['jax']}, Flax {env['flax']}, Optax {env['optax']}. {results.get('provenance', '')}"
+    f"{env['jax']}, Flax {env['flax']}, Optax {env['optax']}{flags}. "
+    f"{results.get('provenance', '')}"
   )
   parts = [head.strip(), "", *_steps_table(results["models"]), ""]
   parts += [*_decomposition_table(results["models"]), ""]
@@ -369,4 +409,5 @@ def render(results: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
+  default_xla_flags()
   main()

@@ -249,7 +249,7 @@ def error_text(preset: str, error: float | None) -> str:
     )
   return (
     f"Measured error of this preset's projection: up to {100 * error:.0f} % "
-    "(`benchmarks/gpu_check.py` on one of its GPUs, [production shapes](production.md)); an "
+    "(`benchmarks/gpu_check.py` on a GPU of its chip, [production shapes](production.md)); an "
     "advantage smaller than that is not established."
   )
 

@@ -99,8 +99,32 @@ def test_a_projected_advantage_counts_only_beyond_the_measured_error():
   assert ptt.established(None, errors[h100]) == "n/a"
 
 
+def test_a_preset_is_checked_on_its_own_gpu_and_the_h100s_on_an_h200():
+  h100, a100 = "DGX H100 (8x H100-SXM5-80GB)", "DGX A100 (8x A100-SXM4-80GB)"
+  assert gpu_check.comparable(h100, "gpu: NVIDIA H100 80GB HBM3")
+  assert gpu_check.comparable(h100, "gpu: NVIDIA H200")
+  assert not gpu_check.comparable(h100, "gpu: NVIDIA A100-SXM4-80GB")
+  assert gpu_check.comparable(a100, "gpu: NVIDIA A100-SXM4-80GB")
+  assert not gpu_check.comparable(a100, "gpu: NVIDIA H200")
+  assert gpu_check.comparable("measured here (cpu)", "cpu: cpu")
+
+
+def test_the_check_turns_triton_gemm_fusions_off_unless_told(monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+  gpu_check.default_xla_flags()
+  assert (
+    gpu_check.os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x --xla_gpu_enable_triton_gemm=false"
+  )
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")
+  gpu_check.default_xla_flags()
+  assert gpu_check.os.environ["XLA_FLAGS"] == "--xla_gpu_enable_triton_gemm=true"
+  monkeypatch.delenv("XLA_FLAGS")
+  gpu_check.default_xla_flags()
+  assert gpu_check.os.environ["XLA_FLAGS"] == "--xla_gpu_enable_triton_gemm=false"
+
+
 def test_programs_counted_from_shapes_on_the_host_match_the_compiled_ones(monkeypatch):
-  """What a GPU run counts (the programs compiled for the CPU from shapes, `gpu_check.on_host`)
+  """What a GPU run counts (the programs compiled for the CPU from shapes, `projection.on_host`)
   is what the CPU path counts from the programs it compiled and ran."""
   s = production.setup("tiny_resnet", 2)
   with warnings.catch_warnings():
