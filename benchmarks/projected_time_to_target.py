@@ -47,7 +47,7 @@ import kaisa_jax
 from benchmarks import generated, gpu_check
 from experiments import optimizers, tasks
 from experiments.report import NAMES
-from experiments.train import make_step
+from experiments.train import kfac_grad_fn, make_step
 from kaisa_jax.analysis import projection
 
 DEVICES = (1, 2, 4, 8, 16, 32, 64)
@@ -87,7 +87,7 @@ def costs(task: tasks.Task, name: str, settings: dict[str, Any], b: int, n: int)
   opt = optimizers.from_settings(name, settings)
   layers = work = None
   if optimizers.is_kfac(name):
-    grad_fn = kaisa_jax.value_and_grad(task.loss, has_aux=True, n_examples=at_b.n_examples())
+    grad_fn = kfac_grad_fn(at_b)
     layers = weighed_at(grad_fn.layers(params, state, x, y), n)
   tx, step = make_step(at_b, opt, 1000, params, state, layers)
   opt_state = tx.init(params)
@@ -123,8 +123,7 @@ def local_layers(task: tasks.Task, b: int) -> kaisa_jax.Layers:
   at_b = dataclasses.replace(task, batch_size=b)
   x, y = (jnp.asarray(a[:b]) for a in task.train)
   params, state = task.init(jax.random.key(0), x[:1])
-  grad_fn = kaisa_jax.value_and_grad(task.loss, has_aux=True, n_examples=at_b.n_examples())
-  return grad_fn.layers(params, state, x, y)
+  return kfac_grad_fn(at_b).layers(params, state, x, y)
 
 
 def seconds_per_step(c: Costs, cluster: kaisa_jax.Cluster, n: int, layers: kaisa_jax.Layers):

@@ -44,7 +44,7 @@ from step_time import MLP, interleaved_seconds, keep_freed_memory, page_faults
 import kaisa_jax
 from benchmarks import generated
 from experiments import optimizers, tasks
-from experiments.train import make_step
+from experiments.train import kfac_grad_fn, make_step
 from kaisa_jax import cluster as cluster_lib
 from kaisa_jax.analysis import projection
 
@@ -118,7 +118,7 @@ def temporaries(compiled) -> float:
 def kfac_work(task: tasks.Task, carry, batch) -> projection.KFACWork:
   """K-FAC's phases for the task, compiled alone (same layers and settings as the step)."""
   params, state, opt_state = carry
-  grad_fn = kaisa_jax.value_and_grad(task.loss, has_aux=True, n_examples=task.n_examples())
+  grad_fn = kfac_grad_fn(task)
   layers = grad_fn.layers(params, state, *batch)
   kfac = kaisa_jax.kfac(layers, lr=KFAC.lr, **optimizers.kfac_arguments(KFAC.kfac))
   _, grads, curvature = grad_fn(params, state, *batch)
