@@ -22,7 +22,7 @@ number) and K-FAC's health counters: ``kaisa_jax.curvature_statistics(kfac, opt_
 from kaisa_jax import statistics
 from kaisa_jax.capture import LayerCurvature, Layers, ValueAndGrad, value_and_grad
 from kaisa_jax.checkpointing import PortableKFACState, from_portable, to_portable
-from kaisa_jax.cluster import DGX_A100, DGX_H100, Cluster
+from kaisa_jax.cluster import DGX_A100, DGX_H100, DGX_H200, Cluster
 from kaisa_jax.distribution import GRAD_WORKERS, RECEIVERS, make_mesh
 from kaisa_jax.layers import register_layer
 from kaisa_jax.planning import FractionPlan, plan_fractions
@@ -40,6 +40,7 @@ from kaisa_jax.transform import (
 __all__ = [
   "DGX_A100",
   "DGX_H100",
+  "DGX_H200",
   "GRAD_WORKERS",
   "KFAC",
   "RECEIVERS",

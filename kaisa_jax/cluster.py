@@ -1,7 +1,7 @@
 """The cluster a fraction is planned for: its devices' rates, links and memory.
 
-`Cluster` describes identical devices in nodes; `DGX_A100` and `DGX_H100` take
-their figures from NVIDIA's data sheets (peak rates, so a time projected from
+`Cluster` describes identical devices in nodes; `DGX_A100`, `DGX_H100` and
+`DGX_H200` take their figures from NVIDIA's data sheets (peak rates, so a time projected from
 them is optimistic by the kernels' efficiency). `kaisa_jax.plan_fractions`
 weighs each grad worker fraction on one, within a memory budget taken by
 default from the device's memory (`kaisa_jax.planning.budget_for`), and
@@ -116,24 +116,39 @@ DGX_H100 = Cluster(
   kernel_overhead=4e-6,
   source="NVIDIA H100 and DGX H100 data sheets (peak FP32); latency and kernel launch assumed",
 )
-PRESETS = {"dgx_a100": DGX_A100, "dgx_h100": DGX_H100}
+# NVIDIA H200 Tensor Core GPU data sheet (SXM): FP32 67 TFLOP/s, HBM3e 141 GB at
+# 4.8 TB/s, NVLink 900 GB/s (both directions); DGX H200 data sheet: 8 GPUs, 400
+# Gb/s ConnectX-7 per GPU. The H100's chip with more and faster memory.
+DGX_H200 = Cluster(
+  name="DGX H200 (8x H200-SXM-141GB, NVLink, 400 Gb/s InfiniBand per GPU)",
+  flops_per_s=67e12,
+  memory_bandwidth=4800 * GB,
+  intra_node_bandwidth=450 * GB,
+  inter_node_bandwidth=50 * GB,
+  devices_per_node=8,
+  latency=10e-6,
+  memory=141 * GB,
+  kernel_overhead=4e-6,
+  source="NVIDIA H200 and DGX H200 data sheets (peak FP32); latency and kernel launch assumed",
+)
+PRESETS = {"dgx_a100": DGX_A100, "dgx_h100": DGX_H100, "dgx_h200": DGX_H200}
 
 
 def cluster_of(device: Any) -> Cluster:
-  """The preset for a device's kind (A100, H100); raises for any other kind.
+  """The preset for a device's kind (A100, H100, H200); raises for any other kind.
 
   Its memory is what the device reports JAX may use (``memory_stats()["bytes_limit"]``) where it
   reports it: an A100 of 40 GB, or a process given a fraction of the device
   (``XLA_PYTHON_CLIENT_MEM_FRACTION``), is planned with what it has, not the preset's 80 GB.
   """
   kind = getattr(device, "device_kind", str(device))
-  for key, preset in (("A100", DGX_A100), ("H100", DGX_H100)):
+  for key, preset in (("A100", DGX_A100), ("H100", DGX_H100), ("H200", DGX_H200)):
     if key in kind:
       stats = device.memory_stats() if hasattr(device, "memory_stats") else None
       limit = (stats or {}).get("bytes_limit")
       return dataclasses.replace(preset, memory=float(limit)) if limit else preset
   raise ValueError(
-    f"no cluster preset for device kind {kind!r} (presets: A100, H100): describe it with "
+    f"no cluster preset for device kind {kind!r} (presets: A100, H100, H200): describe it with "
     "kaisa_jax.Cluster(...) and pass grad_worker_fraction="
     "kaisa_jax.plan_fractions(layers, n_devices, cluster).recommended"
   )

@@ -166,7 +166,7 @@ def kfac(
       ``"hybrid_opt"`` (1/2) or ``"mem_opt"`` (``1/N``), or ``"auto"``
       (with ``axis_name=``): the fraction `kaisa_jax.plan_fractions`
       recommends for the preset cluster of the device kind
-      (`kaisa_jax.cluster.cluster_of`: A100, H100; others raise), with its
+      (`kaisa_jax.cluster.cluster_of`: A100, H100, H200; others raise), with its
       default memory budget: half the preset's memory per device for K-FAC's
       state (the other half left to the model; it raises if no fraction
       fits). For another budget, pass

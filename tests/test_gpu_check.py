@@ -57,7 +57,7 @@ def test_cpu_path_runs_every_section(tmp_path):
   assert sizes == [16, 17, 32, 33]  # width 16 and MLP 32, each + 1 for the bias
   assert [s["fraction"] for s in r["spread_8"]] == ["1/8", "2/8", "4/8", "8/8"]
   assert all(0 < s["decomposition_share"] <= 1 for s in r["spread_8"])
-  assert len(r["projections"]) == 3
+  assert len(r["projections"]) == 4  # the three presets and the rates measured here
   page = gpu_check.render(results)
   assert "tiny BERT" in page and "PROJECTED" in page
 
@@ -106,6 +106,9 @@ def test_a_preset_is_checked_on_its_own_gpu_and_the_h100s_on_an_h200():
   assert not gpu_check.comparable(h100, "gpu: NVIDIA A100-SXM4-80GB")
   assert gpu_check.comparable(a100, "gpu: NVIDIA A100-SXM4-80GB")
   assert not gpu_check.comparable(a100, "gpu: NVIDIA H200")
+  h200 = "DGX H200 (8x H200-SXM-141GB)"
+  assert gpu_check.comparable(h200, "gpu: NVIDIA H200")
+  assert not gpu_check.comparable(h200, "gpu: NVIDIA H100 80GB HBM3")
   assert gpu_check.comparable("measured here (cpu)", "cpu: cpu")
 
 

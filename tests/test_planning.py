@@ -627,3 +627,6 @@ def test_a_device_plans_with_the_memory_it_reports():
   # a device that reports nothing keeps the preset's memory
   assert cluster_lib.cluster_of(_Device("NVIDIA H100 80GB HBM3", None)) == kaisa_jax.DGX_H100
   assert cluster_lib.cluster_of(_Device("NVIDIA H100 80GB HBM3", {})) == kaisa_jax.DGX_H100
+  # the kind an H200 reports (jax 0.11.2, driver 580) finds its own preset
+  h200 = cluster_lib.cluster_of(_Device("NVIDIA H200", {"bytes_limit": 1.1e11}))
+  assert h200 == dataclasses.replace(kaisa_jax.DGX_H200, memory=1.1e11)
