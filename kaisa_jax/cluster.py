@@ -118,17 +118,12 @@ DGX_H100 = Cluster(
 )
 # NVIDIA H200 Tensor Core GPU data sheet (SXM): FP32 67 TFLOP/s, HBM3e 141 GB at
 # 4.8 TB/s, NVLink 900 GB/s (both directions); DGX H200 data sheet: 8 GPUs, 400
-# Gb/s ConnectX-7 per GPU. The H100's chip with more and faster memory.
-DGX_H200 = Cluster(
+# Gb/s ConnectX-7 per GPU. The H100's chip and links with more and faster memory.
+DGX_H200 = dataclasses.replace(
+  DGX_H100,
   name="DGX H200 (8x H200-SXM-141GB, NVLink, 400 Gb/s InfiniBand per GPU)",
-  flops_per_s=67e12,
   memory_bandwidth=4800 * GB,
-  intra_node_bandwidth=450 * GB,
-  inter_node_bandwidth=50 * GB,
-  devices_per_node=8,
-  latency=10e-6,
   memory=141 * GB,
-  kernel_overhead=4e-6,
   source="NVIDIA H200 and DGX H200 data sheets (peak FP32); latency and kernel launch assumed",
 )
 PRESETS = {"dgx_a100": DGX_A100, "dgx_h100": DGX_H100, "dgx_h200": DGX_H200}
