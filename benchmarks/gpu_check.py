@@ -369,10 +369,8 @@ def comparable(cluster: str, kind: str) -> bool:
   on an H200: the same chip at the same FP32 peak, with faster memory (4.8 TB/s against 3.35),
   so that the preset projects an H200's memory-bound work up to 1.4x too slow.
   """
-  kinds = {"A100": ("A100",), "H100": ("H100", "H200"), "H200": ("H200",)}
-  return cluster.startswith("measured here") or any(
-    gpu in cluster and any(k in kind for k in on) for gpu, on in kinds.items()
-  )
+  own = any(gpu in cluster and gpu in kind for gpu, _ in cluster_lib.KINDS)
+  return cluster.startswith("measured here") or own or ("H100" in cluster and "H200" in kind)
 
 
 def _projection_table(models: dict[str, Any], kind: str) -> list[str]:

@@ -127,6 +127,8 @@ DGX_H200 = dataclasses.replace(
   source="NVIDIA H200 and DGX H200 data sheets (peak FP32); latency and kernel launch assumed",
 )
 PRESETS = {"dgx_a100": DGX_A100, "dgx_h100": DGX_H100, "dgx_h200": DGX_H200}
+# The preset of each GPU, by the name its device kind holds (`cluster_of`).
+KINDS = (("A100", DGX_A100), ("H100", DGX_H100), ("H200", DGX_H200))
 
 
 def cluster_of(device: Any) -> Cluster:
@@ -137,13 +139,14 @@ def cluster_of(device: Any) -> Cluster:
   (``XLA_PYTHON_CLIENT_MEM_FRACTION``), is planned with what it has, not the preset's 80 GB.
   """
   kind = getattr(device, "device_kind", str(device))
-  for key, preset in (("A100", DGX_A100), ("H100", DGX_H100), ("H200", DGX_H200)):
+  for key, preset in KINDS:
     if key in kind:
       stats = device.memory_stats() if hasattr(device, "memory_stats") else None
       limit = (stats or {}).get("bytes_limit")
       return dataclasses.replace(preset, memory=float(limit)) if limit else preset
   raise ValueError(
-    f"no cluster preset for device kind {kind!r} (presets: A100, H100, H200): describe it with "
+    f"no cluster preset for device kind {kind!r} (presets: "
+    f"{', '.join(key for key, _ in KINDS)}): describe it with "
     "kaisa_jax.Cluster(...) and pass grad_worker_fraction="
     "kaisa_jax.plan_fractions(layers, n_devices, cluster).recommended"
   )
