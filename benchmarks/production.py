@@ -328,26 +328,27 @@ def decomposition_seconds(sizes: list[int], repeats: int = 3) -> list[dict[str, 
   return rows
 
 
-def stack_seconds(kfac: kaisa_jax.KFAC, repeats: int = 3) -> list[dict[str, Any]]:
-  """Seconds of each stack's decomposition as the step runs it: one batched call per side."""
+def batch_seconds(kfac: kaisa_jax.KFAC, repeats: int = 3) -> list[dict[str, Any]]:
+  """Seconds of the plan's decompositions as the step runs them on one device.
+
+  The step decomposes the dense factors of one size and method together, whatever their stacks
+  (`kaisa_jax.phases`): one batched call for each, of every matrix of that size (layers times
+  groups).
+  """
   plan = kfac.plan
   damping = jnp.float32(1e-3)
+  matrices: dict[tuple[str, int], int] = {}
+  for spec, t in plan.layers:
+    for dim, diagonal in zip((spec.a_dim, spec.g_dim), t.diagonal, strict=True):
+      if not diagonal:
+        matrices[t.method, dim] = matrices.get((t.method, dim), 0) + spec.groups
   rows = []
-  for stack in plan.layout.all_stacks():
-    spec, t = plan.layers[stack[0]]
-    for side, dim, diagonal in zip("AG", (spec.a_dim, spec.g_dim), t.diagonal, strict=True):
-      if diagonal:
-        continue
-      members = len(stack) * spec.groups
-      fn = jax.jit(functools.partial(preconditioning.decompose, method=t.method, diagonal=False))
-      x = _spd(dim, members)[:, None]  # stacks are (members, groups = 1, d, d)
-      shares = jnp.full((members, 1), damping)
-      seconds = _timed(fn, x, damping=shares, repeats=repeats)
-      rows.append(
-        {"layer": spec.name, "side": side, "size": dim, "members": members, "method": t.method}
-        | {"seconds": seconds}
-      )
-      del x
+  for (method, dim), count in sorted(matrices.items(), key=lambda item: item[0][::-1]):
+    fn = jax.jit(functools.partial(preconditioning.decompose, method=method, diagonal=False))
+    x = _spd(dim, count)
+    seconds = _timed(fn, x, damping=jnp.full((count,), damping), repeats=repeats)
+    rows.append({"size": dim, "matrices": count, "method": method, "seconds": seconds})
+    del x
   return rows
 
 

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kaisa_jax import cost, cpu_loop, distribution, parameters, preconditioning, stacking
 from kaisa_jax import factors as factors_lib
@@ -32,7 +33,7 @@ from kaisa_jax import hyperparameters as hp
 from kaisa_jax import layers as layers_lib
 from kaisa_jax.capture import Curvature
 from kaisa_jax.plan import Plan
-from kaisa_jax.stacking import LayerDecompositions, LayerFactors, Stacks
+from kaisa_jax.stacking import LayerFactors, Stacks
 from kaisa_jax.state import KFACState
 
 Array = jax.Array
@@ -132,35 +133,81 @@ def _inverse_damping(
   return preconditioning.side_damping(form, damping, *means)
 
 
-def _decompose_stack(
-  plan: Plan,
-  members: Sequence[int],
-  f: LayerFactors,
-  last: LayerDecompositions,
-  damping: Array,
-  failures: Array,
-) -> tuple[list[Array], Array]:
-  """One stack's decomposition arrays, a member's last good ones where its new ones are not finite.
+class _Side(NamedTuple):
+  """One side of a stack to decompose: its factors, treatment and last good decomposition.
 
-  Returns the arrays in buffer order and ``failures`` plus the factors that failed.
+  ``share`` is what the inverse method adds to its factors (`_inverse_damping`),
+  ``members`` the stack's number of layers.
   """
-  spec, t = plan.layers[members[0]]
-  shares = _inverse_damping(f, t, damping, layer_damping_form(spec, plan.damping_form))
+
+  factor: Array
+  method: str
+  diagonal: bool
+  previous: preconditioning.Decomposition
+  share: Array
+  members: int
+
+
+def _sides(plan: Plan, stacks: Sequence[Sequence[int]], new, old, damping: Array) -> list[_Side]:
+  """Every side of ``stacks``, in buffer order, with the inverse method's share of the damping."""
   out = []
-  for factor, diag, previous, share in zip(f, t.diagonal, last, shares, strict=True):
-    dec = preconditioning.decompose(factor, t.method, diag, share)
-    arrays = stacking.decomposition_arrays(dec)
-    # An eigendecomposition is judged by its eigenvalues alone: a failed ``eigh`` returns NaN
-    # in both outputs, and a non-finite factor gives non-finite eigenvalues. Testing the
-    # eigenvectors too added a reduction per factor: ResNet-50's phase compiled alone in 8.5 s
-    # against 7.6 s without it (2 busy CPU cores).
-    ok = preconditioning.finite_per_member(dec.basis if dec.values is None else dec.values)
-    out += [
-      jnp.where(ok.reshape(-1, *[1] * (x.ndim - 1)), x, y)
-      for x, y in zip(arrays, stacking.decomposition_arrays(previous), strict=True)
-    ]
-    failures = failures + jnp.sum(~ok, dtype=jnp.int32)
-  return out, failures
+  for members, f, last in zip(stacks, new, old, strict=True):
+    spec, t = plan.layers[members[0]]
+    shares = _inverse_damping(f, t, damping, layer_damping_form(spec, plan.damping_form))
+    for factor, diag, previous, share in zip(f, t.diagonal, last, shares, strict=True):
+      out.append(_Side(factor, t.method, diag, previous, share, len(members)))
+  return out
+
+
+def _matrices(x: Array, diagonal: bool) -> Array:
+  """A stack's ``(k, groups, ...)`` array as one matrix (or vector, if diagonal) per row."""
+  return x.reshape(-1, *x.shape[-1 if diagonal else -2 :])
+
+
+def _decompose_alike(sides: Sequence[_Side]) -> tuple[list[list[Array]], Array]:
+  """Sides of one size and treatment, from any stacks, decomposed by one batched call.
+
+  Their matrices are joined along one axis, so a Cholesky retry is decided and
+  sized per matrix (`preconditioning.decompose`). A member (one layer) any of
+  whose matrices is not finite keeps its last good decomposition. Returns each
+  side's arrays (buffer order, the side's shapes) and how many members failed.
+  """
+  method, diag = sides[0].method, sides[0].diagonal
+  factor = jnp.concatenate([_matrices(s.factor, diag) for s in sides])
+  share = jnp.concatenate(
+    [jnp.broadcast_to(s.share, s.factor.shape[: -1 if diag else -2]).reshape(-1) for s in sides]
+  )
+  dec = preconditioning.decompose(factor, method, diag, share)
+  # Judged by the eigenvalues alone for ``eigh`` (a failed ``eigh`` returns NaN in both outputs,
+  # and a non-finite factor gives non-finite eigenvalues), then per member: a layer whose groups
+  # did not all succeed keeps its last decomposition whole.
+  ok = preconditioning.finite_per_member(dec.basis if dec.values is None else dec.values)
+  sizes = [_matrices(s.factor, diag).shape[0] for s in sides]
+  count = sum(s.members for s in sides)
+  if count != factor.shape[0]:  # grouped layers: one test per member over its groups
+    firsts = np.cumsum([0] + [s.members for s in sides[:-1]])
+    member = np.concatenate(
+      [f + np.repeat(np.arange(s.members), n // s.members) for s, n, f in zip(sides, sizes, firsts)]
+    )
+    ok = jax.ops.segment_min(ok, jnp.asarray(member), count, indices_are_sorted=True)
+    failed = jnp.sum(~ok, dtype=jnp.int32)
+    ok = ok[member]
+  else:
+    failed = jnp.sum(~ok, dtype=jnp.int32)
+  new = stacking.decomposition_arrays(dec)
+  out, start = [], 0
+  for s, n in zip(sides, sizes, strict=True):
+    keep = ok[start : start + n]
+    out.append(
+      [
+        jnp.where(
+          keep.reshape(-1, *[1] * (x.ndim - 1)), x[start : start + n], y.reshape(-1, *x.shape[1:])
+        ).reshape(y.shape)
+        for x, y in zip(new, stacking.decomposition_arrays(s.previous), strict=True)
+      ]
+    )
+    start += n
+  return out, failed
 
 
 def _decompose_owned(
@@ -173,14 +220,25 @@ def _decompose_owned(
   factors: Array,
   previous: Array,
 ) -> tuple[Array, Array]:
-  """The branch of device ``(row, col)``: the buffer of its decompositions, and its failures."""
+  """The branch of device ``(row, col)``: the buffer of its decompositions, and its failures.
+
+  The sides of every stack it owns are decomposed by size and treatment, one
+  batched call for all sides alike (`_decompose_alike`).
+  """
   stacks = plan.layout.stacks(row, col)
   old = stacking.decomposition_stacks(plan, previous[0, col], stacks)
   new = stacking.factor_stacks(plan, factors[0, 0], stacks)
-  out, failures = [], jnp.zeros([], jnp.int32)
-  for members, f, o in zip(stacks, new, old, strict=True):
-    arrays, failures = _decompose_stack(plan, members, f, o, damping, failures)
-    out += arrays
+  sides = _sides(plan, stacks, new, old, damping)
+  alike: dict[tuple[str, bool, int], list[int]] = {}
+  for i, s in enumerate(sides):
+    alike.setdefault((s.method, s.diagonal, s.factor.shape[-1]), []).append(i)
+  arrays: dict[int, list[Array]] = {}
+  failures = jnp.zeros([], jnp.int32)
+  for index in alike.values():
+    parts, failed = _decompose_alike([sides[i] for i in index])
+    arrays.update(zip(index, parts, strict=True))
+    failures = failures + failed
+  out = [x for i in range(len(sides)) for x in arrays[i]]
   flat = distribution.flatten_into(out, plan.layout.decomposition_size, dtype)
   return comm.vary(flat[None, None], over_group=True), comm.vary(failures, over_group=True)
 
@@ -193,8 +251,8 @@ def decompose_factors(
 ) -> KFACState:
   """Phase 2: each device decomposes the factors it owns; its group receives them.
 
-  Each stack of equal shapes is decomposed by one batched call. A decomposition
-  that is not finite (a failed ``eigh`` or Cholesky; for ``eigh``, its
+  The factors of one size and treatment that a device owns, whatever their
+  stacks, are decomposed by one batched call. A decomposition that is not finite (a failed ``eigh`` or Cholesky; for ``eigh``, its
   eigenvalues) keeps the factor's previous decomposition and is counted. The
   inverse method damps each factor here by its share of the damping of the
   plan's form (`preconditioning.side_damping`).

@@ -64,7 +64,7 @@ class Plan:
       f"{layout.rows} group(s) x {layout.cols} grad worker(s), assignment by "
       f"{layout.cost_kind} cost; factor buffer {layout.factor_size} elements per device "
       f"({100 * slack:.0f}% balance slack); {len(layout.all_stacks())} stack(s) of equal layers, "
-      "each decomposed and preconditioned as one batch"
+      "each preconditioned as one batch; factors of one size decomposed as one batch"
     )
     return "\n".join(lines)
 

@@ -144,12 +144,13 @@ def decompose(factor: Array, method: str, diagonal: bool, damping: Array) -> Dec
   `side_damping`): a scalar, or one value per matrix (``factor``'s batch
   shape); the eigen method ignores it. Every matrix is decomposed on its own;
   the Cholesky retry below is decided and sized per entry of the leading axis
-  (one layer), so a member's result does not depend on the others.
+  (`kaisa_jax.phases` passes one matrix per entry), so no entry's result
+  depends on the others.
   """
   dtype = decomposition_dtype(factor.dtype)
   factor = factor.astype(dtype)
   damping = jnp.asarray(damping, dtype)
-  damping = damping.reshape(*damping.shape, *[1] * min(damping.ndim, 1 if diagonal else 2))
+  damping = damping.reshape(*damping.shape, *[1] * ((1 if diagonal else 2) if damping.ndim else 0))
   if diagonal:
     values = jnp.maximum(factor, 0.0)
     return Decomposition(None, values if method == EIGEN else 1.0 / (values + damping))

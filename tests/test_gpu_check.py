@@ -62,17 +62,20 @@ def test_cpu_path_runs_every_section(tmp_path):
   assert "tiny BERT" in page and "PROJECTED" in page
 
 
-def test_stacks_of_several_members_decompose_with_either_method():
+def test_factors_of_one_size_are_timed_as_one_batched_call_with_either_method():
   s = production.setup("tiny_bert", 4)
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     _, _, kfac = production.kfac_step(s, (10, 100), compute_method="inverse")
-  rows = production.stack_seconds(kfac, repeats=1)
-  queries = [r for r in rows if r["layer"].endswith("0/MultiHeadDotProductAttention_0/query")]
-  # query, key and value of both blocks: one stack of 6 members, each side one batched call
-  assert [(r["side"], r["members"], r["method"]) for r in queries] == [
-    ("A", 6, "inverse"),
-    ("G", 6, "inverse"),
+  rows = production.batch_seconds(kfac, repeats=1)
+  # Width 16, MLP 32, two blocks. 16 wide: the output side of the three embeddings, of the
+  # eight attention projections, of both blocks' second MLP layer and of the head; 17: the input
+  # side of the projections, of the first MLP layers and of the head; 32 and 33: the MLP's.
+  assert [(r["size"], r["matrices"], r["method"]) for r in rows] == [
+    (16, 14, "inverse"),
+    (17, 11, "inverse"),
+    (32, 2, "inverse"),
+    (33, 2, "inverse"),
   ]
   assert all(r["seconds"] > 0 for r in rows)
 
@@ -144,11 +147,18 @@ def test_programs_counted_from_shapes_on_the_host_match_the_compiled_ones(monkey
     for kind in ("xla", "lapack"):  # the CPU path's were compiled with their carry donated)
       assert host["flops"][program][kind] == direct["flops"][program][kind], program
   # The phases compiled alone follow the device's strategy (no CPU loop on a GPU): the same work
-  # in other loops, counted within 1 %.
+  # in other loops, counted within 1 %. One exception: XLA's cost analysis counts an elementwise
+  # producer fused into a consumer of a slice of it at the producer's whole shape. On a GPU one
+  # batched ``eigh`` per factor size feeds one slice per layer, so the NaN fill of its results is
+  # counted once per layer that slices it (each reading one matrix of it); in the CPU's loop the
+  # fill runs inside the loop body. Here those elementwise flops are 0.06 % of the phase's.
   for phase in ("factors", "decompositions", "preconditioning"):
+    got, want = (c["flops"][phase]["xla"] + c["flops"][phase]["lapack"] for c in (host, direct))
+    assert got == pytest.approx(want, rel=1e-2), phase
     for kind in ("xla", "lapack"):
-      got, want = host["flops"][phase][kind], direct["flops"][phase][kind]
-      assert got == pytest.approx(want, rel=1e-2), (phase, kind)
+      if (phase, kind) != ("decompositions", "xla"):
+        got, want = host["flops"][phase][kind], direct["flops"][phase][kind]
+        assert got == pytest.approx(want, rel=1e-2), (phase, kind)
   # Every convolution and product is in the count: the K-FAC step holds SGD's and more.
   assert direct["flops"]["kfac_step"]["xla"] > direct["flops"]["sgd"]["xla"] > 1e6
   assert direct["flops"]["factors"]["xla"] > 0 and direct["flops"]["decompositions"]["lapack"] > 0

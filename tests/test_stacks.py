@@ -355,3 +355,91 @@ def test_a_factor_that_is_not_finite_fails_its_real_decomposition_alone():
         getattr(after[name], side).values, 2 * getattr(before[name], side).values, atol=1e-6
       )
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(after))
+
+
+def _tower(hidden: int = 2):
+  """A kfac for a `Tower` (no KL clip) and its update on one batch."""
+  model = Tower(hidden)
+  x = jax.random.normal(jax.random.key(0), (32, 10))
+  params = model.init(jax.random.key(2), x)
+  grad_fn = kaisa_jax.value_and_grad(lambda p, x: jnp.mean(model.apply(p, x) ** 2))
+  kfac = kaisa_jax.kfac(grad_fn.layers(params, x), kl_clip=None, max_cost_ratio=None)
+
+  def step(params, state):
+    _, grads, curvature = grad_fn(params, x)
+    return kfac.update(grads, state, params, curvature=curvature)
+
+  return kfac, params, step
+
+
+def _poisoned(state, factor, index, scale=2.0):
+  """``state`` with every factor scaled by ``scale`` and entry ``index`` of ``factor`` NaN, to
+  decompose at its next step (``factor`` found by its values in the buffer)."""
+  f = np.asarray(factor).ravel()
+  flat = np.asarray(state.factors).ravel()
+  (start,) = [i for i in range(flat.size - f.size + 1) if np.array_equal(flat[i : i + f.size], f)]
+  poisoned = scale * flat
+  poisoned[start + index] = np.nan
+  return state._replace(
+    factors=jnp.asarray(poisoned.reshape(state.factors.shape)), refresh=jnp.asarray(True)
+  )
+
+
+def test_factors_of_one_size_decompose_in_one_call_across_stacks():
+  """Three stacks (input layer, two hidden layers, head) hold six factors of four sizes (11, 16,
+  17 and 4; three are 16 wide): four eigendecompositions in the program."""
+  kfac, params, step = _tower(2)
+  assert len(kfac.plan.layout.all_stacks()) == 3
+  sizes = {d for spec, _ in kfac.plan.layers for d in (spec.a_dim, spec.g_dim)}
+  assert sizes == {11, 16, 17, 4}
+  assert str(jax.make_jaxpr(step)(params, kfac.init(params))).count("eigh[") == 4
+
+
+def test_a_failure_among_factors_decomposed_together_stays_with_its_layer():
+  """The hidden layers' ``G`` (16 wide, decomposed with the input layer's): a NaN in the second
+  one's fails that decomposition alone; every other one is renewed (its eigenvalues doubled)."""
+  kfac, params, step = _tower(2)
+  step = jax.jit(step)
+  _, state = step(params, kfac.init(params))  # step 0 decomposes
+  names = [spec.name for spec, _ in kfac.plan.layers]
+  hidden = names[2]
+  assert (
+    kfac.plan.layout.stack_ids[1] == kfac.plan.layout.stack_ids[2] != kfac.plan.layout.stack_ids[0]
+  )
+  before = kaisa_jax.layer_decompositions(kfac.plan, state)
+  g = kaisa_jax.layer_factors(kfac.plan, state)[hidden].g
+  _, state = step(params, _poisoned(state, g, 17))
+  assert int(state.failed_decompositions) == 1
+  after = kaisa_jax.layer_decompositions(kfac.plan, state)
+  jax.tree.map(np.testing.assert_array_equal, after[hidden].g, before[hidden].g)
+  for name in names:
+    for side in ("a",) if name == hidden else ("a", "g"):
+      np.testing.assert_allclose(
+        getattr(after[name], side).values, 2 * getattr(before[name], side).values, atol=1e-6
+      )
+
+
+def test_a_grouped_layer_whose_group_fails_keeps_all_its_groups_and_counts_once():
+  """A convolution of two groups, one NaN in the first group's ``A``: the layer keeps both
+  groups' last ``A`` decompositions, one failure is counted, its ``G`` is renewed."""
+  conv = nn.Conv(4, (3, 3), feature_group_count=2)
+  x = jax.random.normal(jax.random.key(0), (4, 5, 5, 2))
+  params = conv.init(jax.random.key(1), x)
+  grad_fn = kaisa_jax.value_and_grad(lambda p, x: jnp.mean(conv.apply(p, x) ** 2))
+  kfac = kaisa_jax.kfac(grad_fn.layers(params, x), kl_clip=None, max_cost_ratio=None)
+
+  @jax.jit
+  def step(params, state):
+    _, grads, curvature = grad_fn(params, x)
+    return kfac.update(grads, state, params, curvature=curvature)
+
+  _, state = step(params, kfac.init(params))
+  (name,) = kaisa_jax.layer_factors(kfac.plan, state)
+  before = kaisa_jax.layer_decompositions(kfac.plan, state)[name]
+  a = kaisa_jax.layer_factors(kfac.plan, state)[name].a
+  assert a.shape == (2, 10, 10)
+  _, state = step(params, _poisoned(state, a, 3))
+  assert int(state.failed_decompositions) == 1
+  after = kaisa_jax.layer_decompositions(kfac.plan, state)[name]
+  jax.tree.map(np.testing.assert_array_equal, after.a, before.a)
+  np.testing.assert_allclose(after.g.values, 2 * before.g.values, atol=1e-6)
