@@ -33,7 +33,7 @@ from kaisa_jax import hyperparameters as hp
 from kaisa_jax import layers as layers_lib
 from kaisa_jax.capture import Curvature
 from kaisa_jax.plan import Plan
-from kaisa_jax.stacking import LayerFactors, Stacks
+from kaisa_jax.stacking import LayerDecompositions, LayerFactors, Stacks
 from kaisa_jax.state import KFACState
 
 Array = jax.Array
@@ -148,7 +148,13 @@ class _Side(NamedTuple):
   members: int
 
 
-def _sides(plan: Plan, stacks: Sequence[Sequence[int]], new, old, damping: Array) -> list[_Side]:
+def _sides(
+  plan: Plan,
+  stacks: Sequence[Sequence[int]],
+  new: Sequence[LayerFactors],
+  old: Sequence[LayerDecompositions],
+  damping: Array,
+) -> list[_Side]:
   """Every side of ``stacks``, in buffer order, with the inverse method's share of the damping."""
   out = []
   for members, f, last in zip(stacks, new, old, strict=True):
@@ -252,10 +258,11 @@ def decompose_factors(
   """Phase 2: each device decomposes the factors it owns; its group receives them.
 
   The factors of one size and treatment that a device owns, whatever their
-  stacks, are decomposed by one batched call. A decomposition that is not finite (a failed ``eigh`` or Cholesky; for ``eigh``, its
-  eigenvalues) keeps the factor's previous decomposition and is counted. The
-  inverse method damps each factor here by its share of the damping of the
-  plan's form (`preconditioning.side_damping`).
+  stacks, are decomposed by one batched call. A decomposition that is not
+  finite (a failed ``eigh`` or Cholesky; for ``eigh``, its eigenvalues) keeps
+  the factor's previous decomposition and is counted. The inverse method damps
+  each factor here by its share of the damping of the plan's form
+  (`preconditioning.side_damping`).
   """
   layout = plan.layout
   dtype = preconditioning.decomposition_dtype(state.factors.dtype)
