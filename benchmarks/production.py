@@ -46,7 +46,7 @@ import numpy as np
 import optax
 
 import kaisa_jax
-from kaisa_jax import planning, preconditioning
+from kaisa_jax import phases, planning, preconditioning
 
 
 class Bottleneck(nn.Module):
@@ -337,11 +337,14 @@ def batch_seconds(kfac: kaisa_jax.KFAC, repeats: int = 3) -> list[dict[str, Any]
   """
   plan = kfac.plan
   damping = jnp.float32(1e-3)
-  matrices: dict[tuple[str, int], int] = {}
-  for spec, t in plan.layers:
-    for dim, diagonal in zip((spec.a_dim, spec.g_dim), t.diagonal, strict=True):
-      if not diagonal:
-        matrices[t.method, dim] = matrices.get((t.method, dim), 0) + spec.groups
+  stacks = plan.layout.stacks(0, 0)  # one device: it owns every stack
+  matrices = {
+    (method, dim): sum(
+      len(stacks[i // 2]) * plan.layers[stacks[i // 2][0]][0].groups for i in sides
+    )
+    for (method, diagonal, dim), sides in phases.decomposition_batches(plan, stacks).items()
+    if not diagonal
+  }
   rows = []
   for (method, dim), count in sorted(matrices.items(), key=lambda item: item[0][::-1]):
     fn = jax.jit(functools.partial(preconditioning.decompose, method=method, diagonal=False))

@@ -170,6 +170,21 @@ def _matrices(x: Array, diagonal: bool) -> Array:
   return x.reshape(-1, *x.shape[-1 if diagonal else -2 :])
 
 
+def decomposition_batches(
+  plan: Plan, stacks: Sequence[Sequence[int]]
+) -> dict[tuple[str, bool, int], list[int]]:
+  """Which sides of ``stacks`` are decomposed by one batched call: those of one method, form
+  (diagonal or dense) and size, keyed so. A side is named by its place in buffer order,
+  ``2 i`` for stack ``i``'s ``A`` and ``2 i + 1`` for its ``G``.
+  """
+  out: dict[tuple[str, bool, int], list[int]] = {}
+  for i, members in enumerate(stacks):
+    spec, t = plan.layers[members[0]]
+    for j, (dim, diagonal) in enumerate(zip((spec.a_dim, spec.g_dim), t.diagonal, strict=True)):
+      out.setdefault((t.method, diagonal, dim), []).append(2 * i + j)
+  return out
+
+
 def _decompose_alike(sides: Sequence[_Side]) -> tuple[list[list[Array]], Array]:
   """Sides of one size and treatment, from any stacks, decomposed by one batched call.
 
@@ -179,7 +194,8 @@ def _decompose_alike(sides: Sequence[_Side]) -> tuple[list[list[Array]], Array]:
   side's arrays (buffer order, the side's shapes) and how many members failed.
   """
   method, diag = sides[0].method, sides[0].diagonal
-  factor = jnp.concatenate([_matrices(s.factor, diag) for s in sides])
+  matrices = [_matrices(s.factor, diag) for s in sides]
+  factor = jnp.concatenate(matrices)
   share = jnp.concatenate(
     [jnp.broadcast_to(s.share, s.factor.shape[: -1 if diag else -2]).reshape(-1) for s in sides]
   )
@@ -188,7 +204,7 @@ def _decompose_alike(sides: Sequence[_Side]) -> tuple[list[list[Array]], Array]:
   # and a non-finite factor gives non-finite eigenvalues), then per member: a layer whose groups
   # did not all succeed keeps its last decomposition whole.
   ok = preconditioning.finite_per_member(dec.basis if dec.values is None else dec.values)
-  sizes = [_matrices(s.factor, diag).shape[0] for s in sides]
+  sizes = [m.shape[0] for m in matrices]
   count = sum(s.members for s in sides)
   if count != factor.shape[0]:  # grouped layers: one test per member over its groups
     firsts = np.cumsum([0] + [s.members for s in sides[:-1]])
@@ -229,18 +245,15 @@ def _decompose_owned(
   """The branch of device ``(row, col)``: the buffer of its decompositions, and its failures.
 
   The sides of every stack it owns are decomposed by size and treatment, one
-  batched call for all sides alike (`_decompose_alike`).
+  batched call for all sides alike (`decomposition_batches`, `_decompose_alike`).
   """
   stacks = plan.layout.stacks(row, col)
   old = stacking.decomposition_stacks(plan, previous[0, col], stacks)
   new = stacking.factor_stacks(plan, factors[0, 0], stacks)
   sides = _sides(plan, stacks, new, old, damping)
-  alike: dict[tuple[str, bool, int], list[int]] = {}
-  for i, s in enumerate(sides):
-    alike.setdefault((s.method, s.diagonal, s.factor.shape[-1]), []).append(i)
   arrays: dict[int, list[Array]] = {}
   failures = jnp.zeros([], jnp.int32)
-  for index in alike.values():
+  for index in decomposition_batches(plan, stacks).values():
     parts, failed = _decompose_alike([sides[i] for i in index])
     arrays.update(zip(index, parts, strict=True))
     failures = failures + failed
