@@ -39,6 +39,10 @@ damping. ``--page`` writes them into docs/benchmarks/robustness.md (its block
 ``robustness``) and README.md (``robustness targets``, `benchmarks.generated`),
 ``--figure PATH`` draws them.
 
+``--kl-clips 0.01 none --problems lstm ...`` trains, for problems already
+in the results, K-FAC at its defaults but for each KL clip (`tune_clip`; a
+table of its own, `clip_table`).
+
 Run: ``python benchmarks/robustness.py [--problems vit gru ...] [--seeds 3]``
 (about two and a half hours on 2 CPU cores for the whole suite); more dampings
 for some forms, keeping the tuned baselines: ``--forms pi relative --dampings 1
@@ -49,6 +53,7 @@ for some forms, keeping the tuned baselines: ``--forms pi relative --dampings 1
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import sys
@@ -150,6 +155,19 @@ def tune_kfac(problem: suite.Problem, seeds: int, log) -> dict[str, Any]:
       dampings[repr(d)] = train_seeds(run, problem, seeds, lr, d)[0]
       log(f"  kfac (defaults) lr={lr:g} damping={d:g}: {mean(dampings[repr(d)]):.4g}")
   return {"by_lr": by_lr, "lr": lr, "dampings": dampings}
+
+
+def clip_key(kl_clip: float | None) -> str:
+  """A KL clip as a key of the results: its repr, ``"None"`` for no clip."""
+  return repr(kl_clip)
+
+
+def tune_clip(problem: suite.Problem, seeds: int, log, kl_clip: float | None) -> dict[str, Any]:
+  """K-FAC at its defaults but for ``kl_clip``: final losses per learning rate, the rate tuned by
+  the baseline's rule (`tune_lr`)."""
+  run = suite.make_run(problem, {"kl_clip": kl_clip})
+  label = f"kfac (defaults, kl_clip={kl_clip})"
+  return tune_lr(run, problem, seeds, log, label, preconditioning.DEFAULT_DAMPING)
 
 
 def run_problem(
@@ -327,6 +345,38 @@ def targets(results: dict[str, Any]) -> str:
   )
 
 
+def _tuned_ratio(by_lr: dict[str, list[float]] | None, base: float) -> str:
+  """The best rate's mean final loss over ``base``, and that rate (empty if not measured)."""
+  if by_lr is None:
+    return ""
+  lr = best_lr(by_lr)
+  return f"{_ratio(mean(by_lr[repr(lr)]) / base)} (lr {lr:g})"
+
+
+def clip_table(results: dict[str, Any]) -> str:
+  """K-FAC at its defaults but for the KL clip (`tune_clip`), each clip at its own tuned rate,
+  over the tuned baseline; the default clip's column is `tune_kfac`'s runs."""
+  measured = {name: r for name, r in results["problems"].items() if "kl_clip" in r and "tuned" in r}
+  keys = {k for r in measured.values() for k in r["kl_clip"]}
+  clips = sorted(keys, key=lambda k: (k == "None", 0.0 if k == "None" else float(k)))
+  default = clip_key(inspect.signature(kaisa_jax.kfac).parameters["kl_clip"].default)
+  lines = [
+    f"| model | baseline: lr, final loss | kl_clip {default} (default) | "
+    + " | ".join(f"kl_clip {k}" for k in clips)
+    + " |",
+    "|---|---|---:|" + "---:|" * len(clips),
+  ]
+  for name, r in measured.items():
+    base = mean(r["baseline"][repr(r["lr"])])
+    cells = [r["tuned"]["by_lr"]] + [r["kl_clip"].get(k) for k in clips]
+    lines.append(
+      f"| {name} | {r['optimizer']} {r['lr']:g}, {base:.3g} | "
+      + " | ".join(_tuned_ratio(c, base) for c in cells)
+      + " |"
+    )
+  return "\n".join(lines)
+
+
 def readme(results: dict[str, Any]) -> str:
   """K-FAC at its defaults against each tuned baseline, and the targets (README's block)."""
   return tuned_table(results) + "\n\n" + targets(results)
@@ -377,8 +427,16 @@ def report(results: dict[str, Any]) -> str:
       "baseline's; then each damping at that rate, over the baseline's:",
       tuned_table(results),
       targets(results),
-      "The tables below run K-FAC at the baseline's learning rate.",
     ]
+  if any("kl_clip" in r for r in results["problems"].values()):
+    parts += [
+      "K-FAC at its defaults but for the KL clip (`kl_clip`; `None`: no clip), each clip's "
+      "learning rate tuned by the same rule; each cell its final loss over the baseline's, and "
+      "its rate:",
+      clip_table(results),
+    ]
+  if tuned_rows(results):
+    parts += ["The tables below run K-FAC at the baseline's learning rate."]
   for form in FORMS:
     parts += [f"Damping form `{form}`:", form_table(results, form)]
   parts += [
@@ -446,6 +504,13 @@ def main(argv: list[str] | None = None) -> None:
     action="store_true",
     help="keep each problem's tuned baseline from the results file (train K-FAC only)",
   )
+  parser.add_argument(
+    "--kl-clips",
+    nargs="+",
+    type=lambda x: None if x == "none" else float(x),
+    help="train only K-FAC at its defaults but for each of these KL clips ('none': no clip), "
+    "each at its own tuned rate, for problems already in the results file",
+  )
   parser.add_argument("--table", action="store_true", help="print the tables of the saved results")
   parser.add_argument("--figure", type=Path, help="draw the saved results into this file")
   parser.add_argument(
@@ -460,7 +525,17 @@ def main(argv: list[str] | None = None) -> None:
   if args.seeds < 1:
     parser.error("--seeds must be at least 1")
   results = load(args.out)
-  if not (args.table or args.figure or args.page):
+  if args.kl_clips and not (args.table or args.figure or args.page):
+    for name in args.problems:
+      if name not in results["problems"]:
+        parser.error(f"--kl-clips: {name} has no tuned baseline in {args.out}; train it first")
+      print(name, flush=True)
+      problem = suite.SUITE[name]()
+      for kl_clip in args.kl_clips:
+        by_lr = tune_clip(problem, args.seeds, lambda s: print(s, flush=True), kl_clip)
+        results["problems"][name].setdefault("kl_clip", {})[clip_key(kl_clip)] = by_lr
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+  elif not (args.table or args.figure or args.page):
     for name in args.problems:
       print(name, flush=True)
       previous = results["problems"].get(name) if args.reuse_baseline else None

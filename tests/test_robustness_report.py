@@ -64,3 +64,34 @@ def test_kfac_at_its_defaults_is_tuned_like_the_baseline():
     assert all(len(losses) == results["seeds"] for losses in dampings.values()), name
     default = repr(robustness.preconditioning.DEFAULT_DAMPING)
     assert dampings[default] == r["tuned"]["by_lr"][repr(r["tuned"]["lr"])], name
+
+
+def test_clip_table_compares_each_clips_best_rate_with_the_baseline():
+  """Each clip's column is its best rate's final loss over the tuned baseline's; the default
+  clip's is K-FAC's own tuning; no clip comes last; a clip not run on a problem is left empty."""
+  robustness = _benchmark()
+  results = {
+    "problems": {
+      "a": {
+        "optimizer": "sgd",
+        "lr": 0.3,
+        "baseline": {"0.1": [4.0, 4.0], "0.3": [2.0, 2.0]},
+        "tuned": {"by_lr": {"0.1": [1.0, 3.0], "0.3": [5.0, 5.0]}},
+        "kl_clip": {"None": {"0.1": [8.0, 8.0]}, "0.01": {"0.1": [9.0, 9.0], "0.3": [0.5, 0.5]}},
+      },
+      "b": {
+        "optimizer": "sgd",
+        "lr": 0.1,
+        "baseline": {"0.1": [1.0]},
+        "tuned": {"by_lr": {"0.03": [3.0]}},
+        "kl_clip": {"0.01": {"0.1": [0.5]}, "1e-05": {"0.1": [2.0]}},
+      },
+    }
+  }
+  lines = robustness.clip_table(results).splitlines()
+  assert lines[0] == (
+    "| model | baseline: lr, final loss | kl_clip 0.001 (default) | kl_clip 1e-05 | kl_clip 0.01 "
+    "| kl_clip None |"
+  )
+  assert lines[2] == "| a | sgd 0.3, 2 | 1 (lr 0.1) |  | 0.25 (lr 0.3) | 4 (lr 0.1) |"
+  assert lines[3] == "| b | sgd 0.1, 1 | 3 (lr 0.03) | 2 (lr 0.1) | 0.5 (lr 0.1) |  |"
