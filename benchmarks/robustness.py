@@ -157,11 +157,6 @@ def tune_kfac(problem: suite.Problem, seeds: int, log) -> dict[str, Any]:
   return {"by_lr": by_lr, "lr": lr, "dampings": dampings}
 
 
-def clip_key(kl_clip: float | None) -> str:
-  """A KL clip as a key of the results: its repr, ``"None"`` for no clip."""
-  return repr(kl_clip)
-
-
 def tune_clip(problem: suite.Problem, seeds: int, log, kl_clip: float | None) -> dict[str, Any]:
   """K-FAC at its defaults but for ``kl_clip``: final losses per learning rate, the rate tuned by
   the baseline's rule (`tune_lr`)."""
@@ -202,6 +197,11 @@ def run_problem(
 
 def load(path: Path) -> dict[str, Any]:
   return json.loads(path.read_text()) if path.exists() else {"problems": {}}
+
+
+def save(results: dict[str, Any], path: Path) -> None:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(results, indent=1) + "\n")
 
 
 def _ratio(x: float) -> str:
@@ -359,7 +359,7 @@ def clip_table(results: dict[str, Any]) -> str:
   measured = {name: r for name, r in results["problems"].items() if "kl_clip" in r and "tuned" in r}
   keys = {k for r in measured.values() for k in r["kl_clip"]}
   clips = sorted(keys, key=lambda k: (k == "None", 0.0 if k == "None" else float(k)))
-  default = clip_key(inspect.signature(kaisa_jax.kfac).parameters["kl_clip"].default)
+  default = repr(inspect.signature(kaisa_jax.kfac).parameters["kl_clip"].default)
   lines = [
     f"| model | baseline: lr, final loss | kl_clip {default} (default) | "
     + " | ".join(f"kl_clip {k}" for k in clips)
@@ -419,7 +419,8 @@ def report(results: dict[str, Any]) -> str:
     f"{results['tail']}; each cell: K-FAC's mean final loss over the tuned baseline's "
     "(below 1: K-FAC ahead).",
   ]
-  if tuned_rows(results):
+  tuned = tuned_rows(results)
+  if tuned:
     parts += [
       "K-FAC at its defaults (damping form "
       f"`{preconditioning.DEFAULT_FORM}`, damping {preconditioning.DEFAULT_DAMPING:g}), its "
@@ -435,7 +436,7 @@ def report(results: dict[str, Any]) -> str:
       "its rate:",
       clip_table(results),
     ]
-  if tuned_rows(results):
+  if tuned:
     parts += ["The tables below run K-FAC at the baseline's learning rate."]
   for form in FORMS:
     parts += [f"Damping form `{form}`:", form_table(results, form)]
@@ -533,8 +534,8 @@ def main(argv: list[str] | None = None) -> None:
       problem = suite.SUITE[name]()
       for kl_clip in args.kl_clips:
         by_lr = tune_clip(problem, args.seeds, lambda s: print(s, flush=True), kl_clip)
-        results["problems"][name].setdefault("kl_clip", {})[clip_key(kl_clip)] = by_lr
-        args.out.write_text(json.dumps(results, indent=1) + "\n")
+        results["problems"][name].setdefault("kl_clip", {})[repr(kl_clip)] = by_lr
+        save(results, args.out)
   elif not (args.table or args.figure or args.page):
     for name in args.problems:
       print(name, flush=True)
@@ -548,8 +549,7 @@ def main(argv: list[str] | None = None) -> None:
         previous,
       )
       results |= {"steps": STEPS, "tail": suite.TAIL, "seeds": args.seeds, "jax": jax.__version__}
-      args.out.parent.mkdir(parents=True, exist_ok=True)
-      args.out.write_text(json.dumps(results, indent=1) + "\n")
+      save(results, args.out)
   print(report(results))
   if args.page:
     for block, text in ((BLOCK, report(results)), (README_BLOCK, readme(results))):
