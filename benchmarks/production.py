@@ -339,9 +339,7 @@ def batch_seconds(kfac: kaisa_jax.KFAC, repeats: int = 3) -> list[dict[str, Any]
   damping = jnp.float32(1e-3)
   stacks = plan.layout.stacks(0, 0)  # one device: it owns every stack
   matrices = {
-    (method, dim): sum(
-      len(stacks[i // 2]) * plan.layers[stacks[i // 2][0]][0].groups for i in sides
-    )
+    (method, dim): sum(len(stacks[i]) * plan.layers[stacks[i][0]][0].groups for i, _ in sides)
     for (method, diagonal, dim), sides in phases.decomposition_batches(plan, stacks).items()
     if not diagonal
   }

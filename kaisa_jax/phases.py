@@ -154,14 +154,18 @@ def _sides(
   new: Sequence[LayerFactors],
   old: Sequence[LayerDecompositions],
   damping: Array,
-) -> list[_Side]:
-  """Every side of ``stacks``, in buffer order, with the inverse method's share of the damping."""
+) -> list[tuple[_Side, ...]]:
+  """Each stack's sides (``A``, ``G``), with the inverse method's share of the damping."""
   out = []
   for members, f, last in zip(stacks, new, old, strict=True):
     spec, t = plan.layers[members[0]]
     shares = _inverse_damping(f, t, damping, layer_damping_form(spec, plan.damping_form))
-    for factor, diag, previous, share in zip(f, t.diagonal, last, shares, strict=True):
-      out.append(_Side(factor, t.method, diag, previous, share, len(members)))
+    out.append(
+      tuple(
+        _Side(factor, t.method, diag, previous, share, len(members))
+        for factor, diag, previous, share in zip(f, t.diagonal, last, shares, strict=True)
+      )
+    )
   return out
 
 
@@ -172,16 +176,16 @@ def _matrices(x: Array, diagonal: bool) -> Array:
 
 def decomposition_batches(
   plan: Plan, stacks: Sequence[Sequence[int]]
-) -> dict[tuple[str, bool, int], list[int]]:
+) -> dict[tuple[str, bool, int], list[tuple[int, int]]]:
   """Which sides of ``stacks`` are decomposed by one batched call: those of one method, form
-  (diagonal or dense) and size, keyed so. A side is named by its place in buffer order,
-  ``2 i`` for stack ``i``'s ``A`` and ``2 i + 1`` for its ``G``.
+  (diagonal or dense) and size, keyed so. A side is named ``(i, j)``: stack ``i``'s ``A``
+  (``j = 0``) or ``G`` (``j = 1``).
   """
-  out: dict[tuple[str, bool, int], list[int]] = {}
+  out: dict[tuple[str, bool, int], list[tuple[int, int]]] = {}
   for i, members in enumerate(stacks):
     spec, t = plan.layers[members[0]]
     for j, (dim, diagonal) in enumerate(zip((spec.a_dim, spec.g_dim), t.diagonal, strict=True)):
-      out.setdefault((t.method, diagonal, dim), []).append(2 * i + j)
+      out.setdefault((t.method, diagonal, dim), []).append((i, j))
   return out
 
 
@@ -251,13 +255,14 @@ def _decompose_owned(
   old = stacking.decomposition_stacks(plan, previous[0, col], stacks)
   new = stacking.factor_stacks(plan, factors[0, 0], stacks)
   sides = _sides(plan, stacks, new, old, damping)
-  arrays: dict[int, list[Array]] = {}
+  arrays: dict[tuple[int, int], list[Array]] = {}
   failures = jnp.zeros([], jnp.int32)
   for index in decomposition_batches(plan, stacks).values():
-    parts, failed = _decompose_alike([sides[i] for i in index])
+    parts, failed = _decompose_alike([sides[i][j] for i, j in index])
     arrays.update(zip(index, parts, strict=True))
     failures = failures + failed
-  out = [x for i in range(len(sides)) for x in arrays[i]]
+  # Buffer order: stack by stack, each stack's A then G.
+  out = [x for i, pair in enumerate(sides) for j in range(len(pair)) for x in arrays[i, j]]
   flat = distribution.flatten_into(out, plan.layout.decomposition_size, dtype)
   return comm.vary(flat[None, None], over_group=True), comm.vary(failures, over_group=True)
 
