@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 # Tests run tiny programs: XLA's backend optimisations cost far more compile
 # time than they save. Eight CPU devices emulate a data-parallel machine; single
@@ -12,6 +15,16 @@ os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "")
   + " --xla_backend_optimization_level=0 --xla_force_host_platform_device_count=8"
 ).strip()
+
+# Many tests compile a program that another has compiled (a step built again as after a restart,
+# a study's runs trained again, the same reference in each worker). One compilation cache on disk
+# for the session, made by the first process that loads this file and inherited by the xdist
+# workers and the subprocesses, compiles each once; it starts empty and is removed at the end.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _cache = tempfile.mkdtemp(prefix="kaisa-jax-tests-xla-cache-")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 
 import pytest
 

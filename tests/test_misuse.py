@@ -126,9 +126,9 @@ def test_named_vmap_axis_raises_unnamed_vmap_runs():
 
   states = jax.vmap(tx.init)(params)
   with pytest.raises(ValueError, match="must not be named"):
-    jax.vmap(step, axis_name="ensemble")(params, states)
-  updates = jax.vmap(step)(params, states)
-  alone = step(jax.tree.map(lambda a: a[1], params), jax.tree.map(lambda a: a[1], states))
+    jax.jit(jax.vmap(step, axis_name="ensemble"))(params, states)
+  updates = jax.jit(jax.vmap(step))(params, states)
+  alone = jax.jit(step)(jax.tree.map(lambda a: a[1], params), jax.tree.map(lambda a: a[1], states))
   # vmap batches the matmuls and eigh: equal up to float32 rounding, not bit for bit.
   assert relative_error(jax.tree.map(lambda a: a[1], updates), alone) <= 1e-5
 

@@ -96,7 +96,7 @@ def test_configuration_raises_or_steps_finitely(config, shape, conv):
   tx = kaisa_jax.kfac(layers, **config)
   state = tx.init(params)
   for _ in range(2):
-    _, grads, curvature = grad_fn(params, x)
-    updates, state = tx.update(grads, state, params, curvature=curvature)
+    _, grads, curvature = jax.jit(grad_fn)(params, x)
+    updates, state = jax.jit(tx.update)(grads, state, params, curvature=curvature)
     for leaf in jax.tree.leaves((updates, state)):
       assert np.all(np.isfinite(np.asarray(leaf, np.float64)))

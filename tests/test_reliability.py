@@ -36,11 +36,9 @@ def _save_and_restore(tmp_path, kfac, params, state, new):
 
 @pytest.mark.parametrize("fraction", distribution.valid_fractions(8))
 def test_resume_is_bit_identical_to_uninterrupted(tmp_path, fraction):
-  fn, (params, state), inputs, _ = build("cnn", "shard_map", 8, fraction, 6, chained=True)
-  uninterrupted, _ = _train(fn, params, state, inputs)
-
   fn, (params, state), inputs, kfac = build("cnn", "shard_map", 8, fraction, 6, chained=True)
-  params, state = _train(fn, params, state, inputs[:4])
+  uninterrupted, _ = _train(fn, params, state, inputs)
+  params, state = _train(fn, params, state, inputs[:4])  # nothing donated: from the start again
   # A new run: fresh transformation and step function, as after a restart.
   fn2, (params2, state2), _, kfac2 = build("cnn", "shard_map", 8, fraction, 6, chained=True)
   params, state = _save_and_restore(tmp_path, kfac, params, state, (kfac2, params2, state2))
@@ -58,11 +56,9 @@ def _outside_kfac(fn, tree):
 
 @pytest.mark.parametrize("mode", ["shard_map", "pmap"])
 def test_restore_onto_other_devices_and_fraction_continues(tmp_path, mode):
-  fn, (params, state), inputs, _ = build("mlp", "shard_map", 8, "1/8", 8, chained=True)
-  uninterrupted, _ = _train(fn, params, state, inputs)
-
   fn, (params, state), inputs, kfac = build("mlp", "shard_map", 8, "1/8", 8, chained=True)
-  params, state = _train(fn, params, state, inputs[:4])
+  uninterrupted, _ = _train(fn, params, state, inputs)
+  params, state = _train(fn, params, state, inputs[:4])  # nothing donated: from the start again
   # Onto 4 devices as 2 groups of 2 (MEM-OPT on 8 before).
   fn4, (params4, state4), inputs4, kfac4 = build("mlp", mode, 4, "1/2", 8, chained=True)
   if mode == "pmap":
@@ -108,8 +104,8 @@ def test_restore_with_another_treatment_converts_and_recomputes(tmp_path):
   kfac = kaisa_jax.kfac(layers, kl_clip=None, factor_update_steps=1, inv_update_steps=50, **kaisa)
   state = kfac.init(params)
   for _ in range(3):
-    _, grads, curvature = grad_fn(params, x, y)
-    _, state = kfac.update(grads, state, params, curvature=curvature)
+    _, grads, curvature = jax.jit(grad_fn)(params, x, y)
+    _, state = jax.jit(kfac.update)(grads, state, params, curvature=curvature)
   # Now the inverse method: the eigendecompositions do not apply; recompute them.
   inverse = kaisa_jax.kfac(
     layers, kl_clip=None, compute_method="inverse", inv_update_steps=50, **kaisa
@@ -118,8 +114,8 @@ def test_restore_with_another_treatment_converts_and_recomputes(tmp_path):
     tmp_path, kfac, params, state, (inverse, params, inverse.init(params))
   )
   assert bool(restored.refresh) and int(restored.count) == 3
-  _, grads, curvature = grad_fn(params, x, y)
-  _, after = inverse.update(grads, restored, params, curvature=curvature)
+  _, grads, curvature = jax.jit(grad_fn)(params, x, y)
+  _, after = jax.jit(inverse.update)(grads, restored, params, curvature=curvature)
   assert not bool(after.refresh)
   factors = kaisa_jax.layer_factors(inverse.plan, after)
   for name, dec in kaisa_jax.layer_decompositions(inverse.plan, after).items():
@@ -241,8 +237,8 @@ def test_rank_deficient_factors_stay_finite_at_tiny_damping(method):
   )
   state = kfac.init(params)
   for _ in range(3):
-    _, grads, curvature = grad_fn(params, x)
-    updates, state = kfac.update(grads, state, params, curvature=curvature)
+    _, grads, curvature = jax.jit(grad_fn)(params, x)
+    updates, state = jax.jit(kfac.update)(grads, state, params, curvature=curvature)
     assert _finite(updates) and _finite(state)
   assert int(state.failed_decompositions) == 0
 
@@ -335,7 +331,7 @@ def _precondition(dtype, params, x, y, damping):
 
   grad_fn = kaisa_jax.value_and_grad(loss_fn)
   kfac = kaisa_jax.kfac(grad_fn.layers(params, x, y), kl_clip=None, damping=damping)
-  _, grads, curvature = grad_fn(params, x, y)
+  _, grads, curvature = jax.jit(grad_fn)(params, x, y)
   state = kfac.init(params)
   updates, state = jax.jit(kfac.update)(grads, state, params, curvature=curvature)
   assert state.factors.dtype == jnp.float32 and state.decompositions.dtype == jnp.float32
@@ -358,7 +354,9 @@ def test_bfloat16_model_preconditions_like_float32():
   # same preconditioned gradient as their values processed in float32 (measured
   # 1.6e-3, the final rounding to bfloat16).
   kfac, params16, grads, curvature, updates = _precondition(jnp.bfloat16, params, x, y, 1e-2)
-  same, _ = kfac.update(_f32(grads), kfac.init(_f32(params16)), None, curvature=_f32(curvature))
+  same, _ = jax.jit(kfac.update)(
+    _f32(grads), kfac.init(_f32(params16)), None, curvature=_f32(curvature)
+  )
   assert relative_error(_f32(updates), same) <= 1e-2
   # The whole model: bfloat16 activations change the gradient itself by 0.3%;
   # the preconditioned gradients agree within 1e-2 (measured 8e-3 at damping
