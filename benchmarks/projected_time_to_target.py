@@ -16,7 +16,8 @@ its grad worker fraction is the one `kaisa_jax.plan_fractions` recommends for
 ``N`` on that cluster. A step's XLA costs are linear in the per-device batch:
 each (optimizer, ``B``) is compiled at ``b = B`` and ``b = B / 64`` and
 interpolated (a third compile checks it). Per ``N`` the table gives each
-optimizer's fastest ``B``. Nothing here ran on the clusters named.
+optimizer's fastest ``B``. Nothing here ran on the clusters named. A task whose
+study is in progress (batches of its protocol not run yet) is not projected.
 
 Run: ``python benchmarks/projected_time_to_target.py [--tasks TASK ...]
 [--scaling FILE] [--publish]``; prints the tables (`render`). ``--publish`` writes the
@@ -61,6 +62,11 @@ FIGURES = generated.ROOT / "docs" / "figures"
 def load(path: Path, task: str) -> list[dict[str, Any]]:
   """The task's lines of a scaling summary (`experiments.scale.summary_lines`); none if absent."""
   return json.loads(path.read_text())["tasks"].get(task, [])
+
+
+def unrun(path: Path, task: str) -> list[int]:
+  """The batches of the task's study not run yet (`experiments.scale.unrun_batches`); none if whole."""
+  return json.loads(path.read_text()).get("unrun", {}).get(task, [])
 
 
 def weighed_at(layers: kaisa_jax.Layers, n: int) -> kaisa_jax.Layers:
@@ -350,6 +356,12 @@ def main() -> None:
     if not lines:
       print(
         f"{name}: no scaling results in {args.scaling}; run python -m experiments scale-summary"
+      )
+      continue
+    if left := unrun(args.scaling, name):
+      print(
+        f"{name}: its study is in progress (batches {' '.join(map(str, left))} not run yet): "
+        "not projected, since a device count's fastest batch may be among them"
       )
       continue
     result = project_task(name, lines)

@@ -683,10 +683,10 @@ def published_scaling() -> dict[str, Any]:
   """The published scaling summary, each task's source given (older files had one for all)."""
   path = generated.RESULTS / SCALE_RESULTS
   if not path.exists():
-    return {"tasks": {}, "sources": {}}
+    return {"tasks": {}, "sources": {}, "unrun": {}}
   results = json.loads(path.read_text())
   sources = results.get("sources") or {t: results["provenance"] for t in results["tasks"]}
-  return {"tasks": results["tasks"], "sources": sources}
+  return {"tasks": results["tasks"], "sources": sources, "unrun": results.get("unrun", {})}
 
 
 def scale_summary(args: argparse.Namespace) -> None:
@@ -695,8 +695,8 @@ def scale_summary(args: argparse.Namespace) -> None:
   With ``--publish``, a task with no runs in ``OUT`` keeps its published lines
   and their source: publishing one task's new study leaves the others as they were.
   """
-  summary: dict[str, Any] = {"tasks": {}, "sources": {}}
-  kept = published_scaling() if args.publish else {"tasks": {}, "sources": {}}
+  summary: dict[str, Any] = {"tasks": {}, "sources": {}, "unrun": {}}
+  kept = published_scaling() if args.publish else {"tasks": {}, "sources": {}, "unrun": {}}
   reused = []  # the tasks whose published lines are kept
   for name in args.tasks:
     path = args.out / name / scale.FOLDER / scale.LINES
@@ -704,6 +704,8 @@ def scale_summary(args: argparse.Namespace) -> None:
       if name in kept["tasks"]:
         summary["tasks"][name] = kept["tasks"][name]
         summary["sources"][name] = kept["sources"][name]
+        if name in kept["unrun"]:
+          summary["unrun"][name] = kept["unrun"][name]
         reused.append(name)
         print(f"{name}: no scaling results ({path}): kept the published lines")
       else:
@@ -719,6 +721,8 @@ def scale_summary(args: argparse.Namespace) -> None:
       )
     summary["tasks"][name] = scale.summary_lines(lines)
     summary["sources"][name] = scale_source(args, name, lines)
+    if unrun := scale.unrun_batches(name, lines):
+      summary["unrun"][name] = unrun
   if not summary["tasks"]:
     raise SystemExit(
       f"no scaling results in {args.out} for {' '.join(args.tasks)}: "

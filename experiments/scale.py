@@ -30,11 +30,12 @@ batch the optimizers take turns, trial by trial (the extensions too) and seed by
 seed, so that the machine's slow spells fall on all alike.
 
 In ``docs/benchmarks/scaling.md`` (``benchmarks/results/scaling.json``)
-MNIST-1D's, the autoencoder's and the ResNet's tables are of this protocol, and
-``charlm`` has not been run: ``python -m experiments scale --task TASK``, then ``python -m
-experiments scale-summary --publish``, regenerates a task's table and keeps the
-others'. Their lines render as they always did, and the targets
-(`targets_markdown`) count only the tasks of this protocol.
+every task's table is of this protocol, ``charlm``'s in progress (`unrun_batches`:
+its table has the batches run so far): ``python -m experiments scale --task TASK``, then
+``python -m experiments scale-summary --publish``, regenerates a task's table and keeps the
+others'. Lines of the earlier protocol render as they always did, and the targets
+(`targets_markdown`) count only the tasks of this protocol, and a task in progress only
+where its batches left cannot change the verdict.
 
 Every run writes its JSON-lines file to ``OUT/TASK/scale/`` (``sgd-b256-trial1.jsonl``,
 ``kfac-b256-seed0.jsonl``); ``scale.jsonl`` holds one line per optimizer and batch,
@@ -725,13 +726,30 @@ def summary_lines(lines: Sequence[Line]) -> list[Line]:
   ]
 
 
+def unrun_batches(task: str, lines: Sequence[Line]) -> list[int]:
+  """The batches of the task's protocol that ``lines`` hold no line for: a study in progress.
+
+  Empty for a task with no protocol. A summary keeps them per task (``"unrun"``),
+  so that a table says what it lacks, and a target is decided only where the
+  batches left cannot change it (`target_row`).
+  """
+  protocol = PROTOCOLS.get(task)
+  done = {line["batch"] for line in lines}
+  return [] if protocol is None else [b for b in protocol.batches if b not in done]
+
+
+def unrun_of(summary: Mapping[str, Any], task: str) -> list[int]:
+  """The task's batches not yet run, as a summary records them (none for older summaries)."""
+  return list(summary.get("unrun", {}).get(task, []))
+
+
 def summary_markdown(summary: Mapping[str, Any]) -> str:
   """Every task's table (`report`) of a summary ``{"tasks": {task: summary lines}}``.
 
   What ``python -m experiments scale-summary`` prints and writes, and the block ``scaling`` of
   ``docs/benchmarks/scaling.md``; the targets (`targets_markdown`) close it.
   """
-  tables = [report(lines) for lines in summary["tasks"].values()]
+  tables = [report(lines, unrun_of(summary, task)) for task, lines in summary["tasks"].items()]
   return "\n\n".join([*tables, "### Targets", targets_markdown(summary)])
 
 
@@ -796,8 +814,10 @@ def ratio_cell(at: Mapping[str, Line], kfac: str) -> str:
   return f"{mean_steps(at, kfac) / mean_steps(at, best):.2f}x ({NAMES.get(best, best)})"
 
 
-def critical_text(table: Mapping[int, Mapping[str, Line]], name: str) -> str:
-  """One optimizer's critical batch as a list item."""
+def critical_text(
+  table: Mapping[int, Mapping[str, Line]], name: str, unrun: Sequence[int] = ()
+) -> str:
+  """One optimizer's critical batch as a list item (``unrun``: the batches not yet run)."""
   steps = steps_by_batch(table, name)
   b0, largest = min(steps), max(steps)
   critical = critical_batch(steps)
@@ -805,7 +825,8 @@ def critical_text(table: Mapping[int, Mapping[str, Line]], name: str) -> str:
   if critical is None:
     why = "not run" if name not in table[b0] else "missed the target"
     return f"* {label}: undefined ({why} at batch {b0})"
-  bound = " (the largest batch studied: at least that)" if critical == largest else ""
+  studied = "the largest batch run so far" if unrun else "the largest batch studied"
+  bound = f" ({studied}: at least that)" if critical == largest else ""
   return f"* {label}: {critical}{bound}; {steps[b0]:.0f} steps at batch {b0}"
 
 
@@ -858,8 +879,13 @@ def figures(table: Mapping[int, Mapping[str, Line]], names: Sequence[str], k: st
   return Figures(k, critical[k], top, largest, best, (mean_steps(at, k), mean_steps(at, best)))
 
 
-def merits(table: Mapping[int, Mapping[str, Line]], names: Sequence[str]) -> list[str]:
-  """The figures of merit: each K-FAC variant's critical batch and steps against the baselines'."""
+def merits(
+  table: Mapping[int, Mapping[str, Line]], names: Sequence[str], unrun: Sequence[int] = ()
+) -> list[str]:
+  """The figures of merit: each K-FAC variant's critical batch and steps against the baselines'.
+
+  ``unrun``: the batches not yet run, where the largest batch a baseline reaches is so far.
+  """
   label = {n: NAMES.get(n, n) for n in names}
   out = []
   for k in (n for n in names if is_kfac(n)):
@@ -882,7 +908,8 @@ def merits(table: Mapping[int, Mapping[str, Line]], names: Sequence[str]) -> lis
       continue
     at = table[f.largest]
     head = (
-      f"* At batch {f.largest}, the largest where a baseline reaches the target "
+      f"* At batch {f.largest}, the largest where a baseline reaches the target"
+      f"{' so far' if unrun else ''} "
       f"({label.get(f.best, f.best)}, {f.steps[1]:.0f} steps)"
     )
     if f.steps[0] is None:
@@ -965,10 +992,11 @@ def method_text(lines: Sequence[Line]) -> str:
   )
 
 
-def report(lines: Sequence[Line]) -> str:
+def report(lines: Sequence[Line], unrun: Sequence[int] = ()) -> str:
   """A task's study as Markdown: the table by batch, the critical batches, the figures of merit.
 
-  ``lines``: the task's `summary_lines`.
+  ``lines``: the task's `summary_lines`; ``unrun``: its protocol's batches not
+  yet run (`unrun_batches`), which the table names.
   """
   table = by_batch(lines)
   names = names_of(lines)
@@ -990,6 +1018,7 @@ def report(lines: Sequence[Line]) -> str:
     "",
     f"Seeds {' '.join(map(str, first['seeds']))}, evaluated every {first['eval_every']} steps; "
     f"{budget_text}. {method_text(lines)}",
+    *(["", progress_text(unrun)] if unrun else []),
     "",
     "| batch | budget | " + " | ".join(columns) + " |",
     "|---|---|" + "---|" * len(columns),
@@ -1011,15 +1040,23 @@ def report(lines: Sequence[Line]) -> str:
     f"Critical batch: the largest batch B reached, as every batch from {b0} up to it, in at most "
     f"{SLACK:g} x S0 x {b0} / B steps (S0: the steps at batch {b0}, the smallest):",
     "",
-    *(critical_text(table, n) for n in names),
+    *(critical_text(table, n, unrun) for n in names),
     "",
     "Figures of merit:",
     "",
-    *(merits(table, names) or ["* none: no K-FAC variant studied."]),
+    *(merits(table, names, unrun) or ["* none: no K-FAC variant studied."]),
     "",
     f"{chosen_head}: " + "; ".join(chosen_text(table, n) for n in names) + ".",
   ]
   return "\n".join(out)
+
+
+def progress_text(unrun: Sequence[int]) -> str:
+  """What a table of a study in progress lacks."""
+  return (
+    f"**In progress:** batches {', '.join(map(str, unrun))} of the protocol are not run yet; "
+    "the figures below are those of the batches run so far."
+  )
 
 
 # The targets, as the README states them.
@@ -1048,13 +1085,19 @@ def edges(lines: Sequence[Line]) -> list[str]:
   ]
 
 
-def target_row(table: Mapping[int, Mapping[str, Line]], f: Figures) -> tuple[list[str], str, str]:
+def target_row(
+  table: Mapping[int, Mapping[str, Line]], f: Figures, unrun: Sequence[int] = ()
+) -> tuple[list[str], str, str]:
   """One K-FAC variant's row of the targets table, and its verdict on each target.
 
   A verdict is ``"met"``, ``"missed"``, ``"undefined"``, ``"open"`` (K-FAC's
   critical batch is the largest studied, so larger batches may still meet it),
-  or ``"met at an edge"`` (met, but a setting its figure compares sits at an end
-  of its grid, where a better rate may lie beyond).
+  ``"met at an edge"`` (met, but a setting its figure compares sits at an end
+  of its grid, where a better rate may lie beyond). With batches ``unrun``
+  (a study in progress) the steps figure is ``"pending"``: a baseline may reach
+  the target at a larger batch. The critical batch needs no such care: a
+  verdict other than ``"open"`` has K-FAC's critical batch below the largest
+  batch run, where it is final, and met means a baseline's below it too.
   """
   label = NAMES.get(f.name, f.name)
   largest_studied = max(table)
@@ -1083,34 +1126,56 @@ def target_row(table: Mapping[int, Mapping[str, Line]], f: Figures) -> tuple[lis
       steps = "met" if f.steps_ratio <= STEPS_TARGET else "missed"
       if steps == "met" and edges([at[f.name], at[f.best]]):
         steps = "met at an edge"
+  if unrun:
+    steps_cell += ", so far"
+    steps = "pending"
   return [label, critical_cell, critical, steps_cell, steps], critical, steps
 
 
 def targets(summary: Mapping[str, Any]) -> tuple[list[str], list[str]]:
-  """The targets table's rows, and the verdicts as list items (`targets_markdown`)."""
-  rows, met, current, earlier = [], {"critical": [], "steps": []}, [], []
+  """The targets table's rows, and the verdicts as list items (`targets_markdown`).
+
+  A task in progress (`unrun_of`) whose verdict on a target its batches left may
+  still change (``"pending"``, or ``"open"``) is undecided on it; a target is
+  called only where the undecided tasks cannot change it.
+  """
+  rows, current, earlier = [], [], []
+  met: dict[str, list[str]] = {"critical": [], "steps": []}
+  undecided: dict[str, list[str]] = {"critical": [], "steps": []}
   for task, lines in summary["tasks"].items():
-    table, names = by_batch(lines), names_of(lines)
+    table, names, unrun = by_batch(lines), names_of(lines), unrun_of(summary, task)
     new = has_variants(lines[0])
     (current if new else earlier).append(task)
     edge = ", ".join(edges(lines)) or "none" if new else "not checked (3 rates, no extension)"
     for k in (n for n in names if is_kfac(n)):
-      cells, critical, steps = target_row(table, figures(table, names, k))
+      cells, critical, steps = target_row(table, figures(table, names, k), unrun)
       protocol = "current" if new else "earlier"
       rows.append(f"| {task} | {protocol} | " + " | ".join(cells) + f" | {edge} |")
       for target, verdict in (("critical", critical), ("steps", steps)):
         if new and verdict == "met" and task not in met[target]:
           met[target].append(task)
+        if new and unrun and verdict in ("pending", "open") and task not in undecided[target]:
+          undecided[target].append(task)
   missing = [t for t in PROTOCOLS if t not in summary["tasks"]]
 
   def verdict(target: str, text: str) -> str:
     tasks = met[target]
-    held = "holds" if len(tasks) >= TASKS_TARGET else "does not hold"
+    open_ = [t for t in undecided[target] if t not in tasks]
+    if len(tasks) >= TASKS_TARGET:
+      held = "holds"
+    elif len(tasks) + len(open_) < TASKS_TARGET:
+      held = "does not hold"
+    else:
+      held = "not decided yet"
     which = f" ({', '.join(tasks)})" if tasks else ""
-    return (
+    line = (
       f"* {text}, on at least {TASKS_TARGET} tasks: {held}; met on {len(tasks)} of the "
-      f"{len(current)} tasks run under the current protocol{which}."
+      f"{len(current)} tasks run under the current protocol{which}"
     )
+    if open_:
+      whether = "" if held == "not decided yet" else ", which cannot change the verdict"
+      line += f"; undecided on {', '.join(open_)} (in progress){whether}"
+    return line + "."
 
   verdicts = [
     verdict(
@@ -1126,6 +1191,13 @@ def targets(summary: Mapping[str, Any]) -> tuple[list[str], list[str]]:
     pending = [f"{t} (lines of the earlier protocol: 3 plain rates, no extension)" for t in earlier]
     pending += [f"{t} (not run)" for t in missing]
     verdicts.append(f"* Not counted, not yet run under the current protocol: {', '.join(pending)}.")
+  progress = [
+    f"{t} (batches {', '.join(map(str, unrun_of(summary, t)))} not run yet)"
+    for t in current
+    if unrun_of(summary, t)
+  ]
+  if progress:
+    verdicts.append(f"* In progress: {'; '.join(progress)}.")
   return rows, verdicts
 
 

@@ -710,8 +710,13 @@ def test_scale_summary_writes_its_summary_and_publishes_it(tmp_path, capsys, pub
   assert "* AdamW: 128; 300 steps at batch 128" in text
   assert "* K-FAC: 512; 200 steps at batch 128" in text
   assert "K-FAC's critical batch / the best baseline's (SGD, 512): 1.00x (512 / 512)." in text
-  assert "At batch 1024, the largest where a baseline reaches the target (SGD, 80 steps)" in text
+  # The protocol's 2048 and 3200 are not in the lines: a study in progress, and said so.
+  assert "**In progress:** batches 2048, 3200 of the protocol are not run yet" in text
+  assert (
+    "At batch 1024, the largest where a baseline reaches the target so far (SGD, 80 steps)" in text
+  )
   assert "K-FAC missed (2/3)." in text
+  assert "| K-FAC missed at 1024 (SGD), so far | pending |" in text
   assert (
     "each rate plain and stabilised (SGD and AdamW: a linear warmup over the first 5 % of " in text
   )
@@ -721,6 +726,7 @@ def test_scale_summary_writes_its_summary_and_publishes_it(tmp_path, capsys, pub
   # The summary keeps what the tables show, and renders to the same text.
   summary = json.loads((tmp_path / "scale-summary.json").read_text())
   assert summary["tasks"]["mnist1d"] == scale.summary_lines(lines)
+  assert summary["unrun"] == {"mnist1d": [2048, 3200]}
   assert scale.summary_markdown(summary) + "\n" == text
   # --publish: the results file, the page's block and the figure.
   page = published / "docs" / "benchmarks" / "scaling.md"
@@ -1069,6 +1075,63 @@ def test_scaling_targets_count_current_tasks_off_the_grid_edges():
   assert scale.targets_markdown(summary) in scale.summary_markdown(summary)
 
 
+def test_scaling_targets_of_a_study_in_progress_wait_only_where_its_batches_can_change_them():
+  # The made-up studies stop at 1024; MNIST-1D's protocol goes on to 2048 and 3200.
+  good, poor = targets_summary((200, 100, 50, 25)), targets_summary((200, 100, 160, 25))
+  assert scale.unrun_batches("mnist1d", good) == [2048, 3200]
+  assert scale.unrun_batches("autoencoder", good) == []  # its protocol ends at 1024
+  assert scale.unrun_batches("no such task", good) == []
+  unrun = {"mnist1d": [2048, 3200], "resnet": [2048, 3200]}
+  summary = {"tasks": {"mnist1d": good, "resnet": poor}, "unrun": unrun}
+  text = scale.targets_markdown(summary)
+  rows = [r for r in text.splitlines() if r.startswith("| ") and "---" not in r][1:]
+  # K-FAC's critical batch met (8x, SGD's is final at 128) or missed (it stopped at 256) is
+  # final; the steps figure waits: a baseline may reach the target at 2048.
+  assert rows == [
+    "| mnist1d | current | K-FAC | at least 1024 / 128 (SGD) = at least 8.00x | met | 0.20x at 512 "
+    "(AdamW), so far | pending | none |",
+    "| resnet | current | K-FAC | 256 / 128 (SGD) = 2.00x | missed | 0.64x at 512 (AdamW), so far "
+    "| pending | none |",
+  ]
+  verdicts = scale.targets_readme(summary).splitlines()
+  assert verdicts[0].endswith(
+    "does not hold; met on 1 of the 2 tasks run under the current protocol (mnist1d)."
+  )
+  assert verdicts[1].endswith(
+    "not decided yet; met on 0 of the 2 tasks run under the current protocol; undecided on "
+    "mnist1d, resnet (in progress)."
+  )
+  assert verdicts[-1] == (
+    "* In progress: mnist1d (batches 2048, 3200 not run yet); resnet (batches 2048, 3200 not "
+    "run yet)."
+  )
+  # One task in progress cannot lift a target that no other task meets: called already.
+  summary["unrun"] = {"resnet": [2048, 3200]}
+  summary["tasks"]["mnist1d"] = poor
+  verdicts = scale.targets_readme(summary).splitlines()
+  assert verdicts[0].endswith(
+    "does not hold; met on 0 of the 2 tasks run under the current protocol."
+  )
+  assert verdicts[1].endswith(
+    "does not hold; met on 0 of the 2 tasks run under the current protocol; undecided on resnet "
+    "(in progress), which cannot change the verdict."
+  )
+  # K-FAC's critical batch at the largest batch run, under 4x: open, and undecided in progress.
+  short = [x for x in good if x["batch"] <= 256]
+  summary = {"tasks": {"mnist1d": short, "resnet": good}, "unrun": {"mnist1d": [512, 1024]}}
+  verdicts = scale.targets_readme(summary).splitlines()
+  assert verdicts[0].endswith(
+    "not decided yet; met on 1 of the 2 tasks run under the current protocol (resnet); undecided "
+    "on mnist1d (in progress)."
+  )
+  # The table says what it lacks, and its figures are so far.
+  page = scale.summary_markdown(summary)
+  assert "**In progress:** batches 512, 1024 of the protocol are not run yet" in page
+  assert "* K-FAC: 256 (the largest batch run so far: at least that)" in page
+  assert "the largest where a baseline reaches the target so far (AdamW" in page
+  assert page.count("**In progress:**") == 1  # resnet's study is whole
+
+
 def test_scale_summary_publish_keeps_the_tasks_it_did_not_rerun(tmp_path, capsys, published):
   results = published / "benchmarks" / "results"
   results.mkdir(parents=True)
@@ -1105,10 +1168,21 @@ def test_scale_summary_publish_keeps_the_tasks_it_did_not_rerun(tmp_path, capsys
   page = (published / "docs" / "benchmarks" / "scaling.md").read_text()
   assert "| resnet | current | K-FAC | 256 / 128 (SGD) = 2.00x | missed |" in page
   readme = (published / "README.md").read_text()
-  assert "does not hold; met on 0 of the 2 tasks run under the current protocol." in readme
+  assert (
+    "does not hold; met on 0 of the 2 tasks run under the current protocol; undecided on mnist1d "
+    "(in progress), which cannot change the verdict." in readme
+  )
+  assert "* In progress: mnist1d (batches 256, 512, 1024, 2048, 3200 not run yet)." in readme
+  assert after["unrun"] == {"mnist1d": [256, 512, 1024, 2048, 3200]}
   assert "autoencoder (not run), charlm (not run)." in readme
   assert generated.differences() == []
   # Without --publish, only the runs in OUT.
   cli.main(argv)
   local = json.loads((tmp_path / "out" / "scale-summary.json").read_text())
   assert list(local["tasks"]) == ["mnist1d"]
+  # Published again with no runs in OUT: both tasks kept, mnist1d still in progress.
+  (out / "scale.jsonl").unlink()
+  cli.main([*argv, "--publish"])
+  again = json.loads((results / "scaling.json").read_text())
+  assert again["tasks"] == after["tasks"] and again["unrun"] == after["unrun"]
+  assert "* In progress: mnist1d" in (published / "README.md").read_text()

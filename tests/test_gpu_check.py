@@ -102,6 +102,21 @@ def test_a_projected_advantage_counts_only_beyond_the_measured_error():
   assert ptt.established(None, errors[h100]) == "n/a"
 
 
+def test_a_study_in_progress_is_not_projected(tmp_path, monkeypatch, capsys):
+  from benchmarks import projected_time_to_target as ptt
+
+  line = {"task": "charlm", "batch": 128, "optimizer": "adamw"}
+  scaling = tmp_path / "scaling.json"
+  scaling.write_text(json.dumps({"tasks": {"charlm": [line]}, "unrun": {"charlm": [512, 1024]}}))
+  monkeypatch.setattr(ptt, "project_task", lambda *a: pytest.fail("projected a partial study"))
+  monkeypatch.setattr(sys, "argv", ["ptt", "--scaling", str(scaling), "--publish"])
+  ptt.main()
+  assert (
+    "charlm: its study is in progress (batches 512 1024 not run yet)" in capsys.readouterr().out
+  )
+  assert ptt.unrun(scaling, "mnist1d") == []
+
+
 def test_a_preset_is_checked_on_its_own_gpu_and_the_h100s_on_an_h200():
   h100, a100 = "DGX H100 (8x H100-SXM5-80GB)", "DGX A100 (8x A100-SXM4-80GB)"
   assert gpu_check.comparable(h100, "gpu: NVIDIA H100 80GB HBM3")
