@@ -1022,6 +1022,11 @@ def targets_summary(kfac_steps, kfac_edge=False, adamw_128=(300, "plain", False)
   return scale.summary_lines(lines)
 
 
+def target_rows(text):
+  """The rows of a targets table, its head left out."""
+  return [r for r in text.splitlines() if r.startswith("| ") and "---" not in r][1:]
+
+
 def test_scaling_targets_count_current_tasks_off_the_grid_edges():
   # K-FAC's critical batch 1024 (the largest studied) against SGD's and AdamW's 128: at least 8x;
   # at 512, the largest batch a baseline (AdamW, 250 steps) reaches, K-FAC takes 50: 0.2x.
@@ -1037,7 +1042,7 @@ def test_scaling_targets_count_current_tasks_off_the_grid_edges():
     x["chosen_trial"] = 1
   summary = {"tasks": {"mnist1d": good, "resnet": poor, "autoencoder": at_edge, "charlm": earlier}}
   text = scale.targets_markdown(summary)
-  rows = [r for r in text.splitlines() if r.startswith("| ") and "---" not in r][1:]
+  rows = target_rows(text)
   assert rows == [
     "| mnist1d | current | K-FAC | at least 1024 / 128 (SGD) = at least 8.00x | met | 0.20x at 512 "
     "(AdamW) | met | none |",
@@ -1085,7 +1090,7 @@ def test_scaling_targets_of_a_study_in_progress_wait_only_where_its_batches_can_
   unrun = {"mnist1d": [2048, 3200], "resnet": [2048, 3200]}
   summary = {"tasks": {"mnist1d": good, "resnet": poor}, "unrun": unrun}
   text = scale.targets_markdown(summary)
-  rows = [r for r in text.splitlines() if r.startswith("| ") and "---" not in r][1:]
+  rows = target_rows(text)
   # K-FAC's critical batch met (8x, SGD's is final at 128) or missed (it stopped at 256) is
   # final; the steps figure waits: a baseline may reach the target at 2048.
   assert rows == [
