@@ -115,6 +115,14 @@ def _local(tree):
   return jax.tree.map(lambda a: np.asarray(a.addressable_shards[0].data), tree)
 
 
+def replicate(tree, devices, axis_name: str):
+  """One copy of ``tree`` per device along a new leading axis, placed as ``jax.pmap`` places
+  its outputs (over a mesh of ``devices`` with the mapped axis's name): the step's second call
+  then finds the program its first compiled."""
+  placed = NamedSharding(jax.sharding.Mesh(np.array(devices), (axis_name,)), P(axis_name))
+  return jax.device_put(jax.tree.map(lambda a: jnp.stack([a] * len(devices)), tree), placed)
+
+
 def build(model_name: str, mode: str, n: int, grad_worker_fraction: str, steps: int, chained: bool):
   """The jitted step, its initial ``(params, state)``, the per-step inputs and the K-FAC transform.
 
@@ -179,8 +187,7 @@ def build(model_name: str, mode: str, n: int, grad_worker_fraction: str, steps: 
     sharded = NamedSharding(mesh, BATCH_SPEC)
     inputs = [(_global(x, sharded), _global(y, sharded)) for x, y in zip(xs, ys)]
   else:
-    stack = lambda tree: jax.tree.map(lambda a: jnp.stack([a] * n), tree)  # noqa: E731
-    params, state = stack(params), stack(tx.init(params))
+    params, state = replicate((params, tx.init(params)), devices, "batch")
     fn = jax.pmap(
       lambda p, s, x, y: step(p, s, x, y, lambda g: jax.lax.pmean(g, "batch")),
       axis_name="batch",

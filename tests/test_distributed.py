@@ -72,6 +72,28 @@ def test_every_fraction_and_both_mappings_train_bit_for_bit_alike_with_many_laye
       np.testing.assert_array_equal(a, b, err_msg=str(key))
 
 
+def test_pmap_replicas_placed_as_its_outputs_compile_the_step_once():
+  """The replicas of `distributed_setup.replicate` (the data-parallel guide's recipe) lie where
+  ``jax.pmap`` puts its outputs: the calls after the first compile nothing."""
+  compiles = []
+
+  def listen(name, secs, **kwargs):
+    if name.endswith("backend_compile_duration"):
+      compiles.append(name)
+
+  fn, (params, state), inputs, _ = build("mlp", "pmap", 2, "1", 3, chained=True)
+  counts = []
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    for x, y in inputs:
+      before = len(compiles)
+      params, state, _ = jax.block_until_ready(fn(params, state, x, y))
+      counts.append(len(compiles) - before)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
+  assert counts[0] >= 1 and counts[1:] == [0, 0]
+
+
 @pytest.mark.parametrize("mode, n, fraction", [("shard_map", 8, "1/4"), ("pmap", 4, "1/2")])
 def test_scanned_layers_distribute_like_one_device(mode, n, fraction):
   kfac = build("scanned", mode, n, fraction, 1, chained=False)[3]
