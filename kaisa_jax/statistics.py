@@ -64,6 +64,10 @@ Array = jax.Array
 # ended more than twice the tuned first-order optimizer's final loss.
 NEGLIGIBLE_DAMPING = 1e-1
 DROWNING_DAMPING = 1e3
+# The relative damping is computed in float32: within this relative margin of a threshold it
+# is not flagged (under damping_form="relative" it is the damping itself, up to rounding, so
+# the default 0.1 would otherwise be called negligible by a rounding error).
+THRESHOLD_MARGIN = 1e-4
 
 
 class Eigenvalues(NamedTuple):
@@ -337,7 +341,8 @@ def check_damping(stats: CurvatureStatistics) -> DampingCheck:
   """Warns, once per process for each case, where the damping is off the layers' curvature.
 
   A layer's relative damping below `NEGLIGIBLE_DAMPING` means the damping does
-  not regularise it; above `DROWNING_DAMPING`, that it drowns its curvature.
+  not regularise it; above `DROWNING_DAMPING`, that it drowns its curvature
+  (each threshold with a margin of `THRESHOLD_MARGIN` for float32 rounding).
   Layers without curvature yet (relative damping ``inf``) are left out. Reads
   concrete values: call it on the statistics a jitted step returned.
 
@@ -356,8 +361,8 @@ def check_damping(stats: CurvatureStatistics) -> DampingCheck:
     )
   relative = {name: float(x) for name, x in relative.items() if np.isfinite(float(x))}
   found = DampingCheck(
-    {n: r for n, r in relative.items() if r < NEGLIGIBLE_DAMPING},
-    {n: r for n, r in relative.items() if r > DROWNING_DAMPING},
+    {n: r for n, r in relative.items() if r < NEGLIGIBLE_DAMPING * (1 - THRESHOLD_MARGIN)},
+    {n: r for n, r in relative.items() if r > DROWNING_DAMPING * (1 + THRESHOLD_MARGIN)},
   )
   damping = float(stats.damping)
   if found.negligible and "negligible" not in _warned:
