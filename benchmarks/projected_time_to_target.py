@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kaisa_jax
 from benchmarks import generated, gpu_check
-from experiments import optimizers, tasks
+from experiments import optimizers, scale, tasks
 from experiments.report import NAMES
 from experiments.train import kfac_grad_fn, make_step
 from kaisa_jax.analysis import projection
@@ -57,16 +57,6 @@ FACTOR_STEPS, INV_STEPS = 10, 100  # experiments.optimizers' K-FAC cadence
 RESULTS = "projected_time_to_target.json"  # under benchmarks/results/
 SCALING = generated.RESULTS / "scaling.json"
 FIGURES = generated.ROOT / "docs" / "figures"
-
-
-def load(path: Path, task: str) -> list[dict[str, Any]]:
-  """The task's lines of a scaling summary (`experiments.scale.summary_lines`); none if absent."""
-  return json.loads(path.read_text())["tasks"].get(task, [])
-
-
-def unrun(path: Path, task: str) -> list[int]:
-  """The batches of the task's study not run yet (`experiments.scale.unrun_batches`); none if whole."""
-  return json.loads(path.read_text()).get("unrun", {}).get(task, [])
 
 
 def weighed_at(layers: kaisa_jax.Layers, n: int) -> kaisa_jax.Layers:
@@ -343,7 +333,8 @@ def main() -> None:
     help=f"write benchmarks/results/{RESULTS}, its block in the docs and the figures",
   )
   args = parser.parse_args()
-  args.tasks = args.tasks or list(json.loads(args.scaling.read_text())["tasks"])
+  scaling = json.loads(args.scaling.read_text())  # summary lines per task (experiments.scale)
+  args.tasks = args.tasks or list(scaling["tasks"])
   results: dict[str, Any] = {
     "provenance": "written by `python benchmarks/projected_time_to_target.py --tasks "
     f"{' '.join(args.tasks)} --publish` from {args.scaling.name}, jax {jax.__version__}",
@@ -352,13 +343,13 @@ def main() -> None:
   }
   errors = measured_errors(generated.load(CHECK), results["presets"])
   for name in args.tasks:
-    lines = load(args.scaling, name)
+    lines = scaling["tasks"].get(name, [])
     if not lines:
       print(
         f"{name}: no scaling results in {args.scaling}; run python -m experiments scale-summary"
       )
       continue
-    if left := unrun(args.scaling, name):
+    if left := scale.unrun_of(scaling, name):
       print(
         f"{name}: its study is in progress (batches {' '.join(map(str, left))} not run yet): "
         "not projected, since a device count's fastest batch may be among them"

@@ -1139,13 +1139,15 @@ def targets(summary: Mapping[str, Any]) -> tuple[list[str], list[str]]:
   still change (``"pending"``, or ``"open"``) is undecided on it; a target is
   called only where the undecided tasks cannot change it.
   """
-  rows, current, earlier = [], [], []
+  rows, current, earlier, progress = [], [], [], []
   met: dict[str, list[str]] = {"critical": [], "steps": []}
   undecided: dict[str, list[str]] = {"critical": [], "steps": []}
   for task, lines in summary["tasks"].items():
     table, names, unrun = by_batch(lines), names_of(lines), unrun_of(summary, task)
     new = has_variants(lines[0])
     (current if new else earlier).append(task)
+    if new and unrun:
+      progress.append(f"{task} (batches {', '.join(map(str, unrun))} not run yet)")
     edge = ", ".join(edges(lines)) or "none" if new else "not checked (3 rates, no extension)"
     for k in (n for n in names if is_kfac(n)):
       cells, critical, steps = target_row(table, figures(table, names, k), unrun)
@@ -1191,11 +1193,6 @@ def targets(summary: Mapping[str, Any]) -> tuple[list[str], list[str]]:
     pending = [f"{t} (lines of the earlier protocol: 3 plain rates, no extension)" for t in earlier]
     pending += [f"{t} (not run)" for t in missing]
     verdicts.append(f"* Not counted, not yet run under the current protocol: {', '.join(pending)}.")
-  progress = [
-    f"{t} (batches {', '.join(map(str, unrun_of(summary, t)))} not run yet)"
-    for t in current
-    if unrun_of(summary, t)
-  ]
   if progress:
     verdicts.append(f"* In progress: {'; '.join(progress)}.")
   return rows, verdicts

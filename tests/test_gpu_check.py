@@ -114,7 +114,7 @@ def test_a_study_in_progress_is_not_projected(tmp_path, monkeypatch, capsys):
   assert (
     "charlm: its study is in progress (batches 512 1024 not run yet)" in capsys.readouterr().out
   )
-  assert ptt.unrun(scaling, "mnist1d") == []
+  assert ptt.scale.unrun_of(json.loads(scaling.read_text()), "mnist1d") == []
 
 
 def test_a_preset_is_checked_on_its_own_gpu_and_the_h100s_on_an_h200():
