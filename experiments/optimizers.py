@@ -180,7 +180,10 @@ def schedule(opt: Optimizer, steps: int) -> optax.Schedule:
   warmup = warmup_steps(opt, steps)
   if warmup == 0:
     return optax.cosine_decay_schedule(opt.lr, steps)
-  return optax.warmup_cosine_decay_schedule(0.0, opt.lr, warmup, steps)
+  # optax.warmup_cosine_decay_schedule(0.0, opt.lr, warmup, steps), which reads the peak in
+  # Python: here it may be traced (`experiments.train.programs`).
+  rise = optax.linear_schedule(0.0, opt.lr, warmup)
+  return optax.join_schedules([rise, optax.cosine_decay_schedule(opt.lr, steps - warmup)], [warmup])
 
 
 def kl_clip_schedule(opt: Optimizer, steps: int) -> optax.Schedule:

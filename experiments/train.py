@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import importlib.metadata
 import json
 import platform
 import time
 from collections.abc import Callable, Iterator
-from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -89,6 +90,38 @@ def curvature_record(stats: kaisa_jax.CurvatureStatistics) -> dict[str, Any]:
   }
 
 
+def _step_function(
+  task: Task, opt: Optimizer, steps: int, layers: kaisa_jax.Layers | None
+) -> Callable[..., Any]:
+  """``step(params, state, opt_state, x, y, lr) -> (params, state, opt_state, loss)``.
+
+  One step of ``opt`` at the peak learning rate ``lr`` (``opt.lr`` is not
+  read) on one batch. ``lr`` may be traced: runs alike but for their rate can
+  share one compiled step. For K-FAC the step passes the captured curvature to
+  ``update``.
+  """
+  if not is_kfac(opt.name):
+
+    def gradients(params, state, xb, yb):
+      (loss, state), grads = jax.value_and_grad(task.loss, has_aux=True)(params, state, xb, yb)
+      return loss, state, grads, {}
+
+  else:
+    grad_fn = kfac_grad_fn(task)
+
+    def gradients(params, state, xb, yb):
+      (loss, state), grads, curvature = grad_fn(params, state, xb, yb)
+      return loss, state, grads, {"curvature": curvature}
+
+  def step(params, state, opt_state, xb, yb, lr):
+    tx = build(dataclasses.replace(opt, lr=lr), steps, layers)
+    loss, state, grads, extra = gradients(params, state, xb, yb)
+    updates, opt_state = tx.update(grads, opt_state, params, **extra)
+    return optax.apply_updates(params, updates), state, opt_state, loss
+
+  return step
+
+
 def make_step(
   task: Task,
   opt: Optimizer,
@@ -100,34 +133,79 @@ def make_step(
   """The optimizer's Optax transformation and the jitted training step.
 
   ``step(params, state, opt_state, x, y) -> (params, state, opt_state, loss)``
-  on one batch. For K-FAC the layers are ``layers``, or traced on the first
-  batch of the training set, and the step passes the captured curvature to
-  ``update``.
+  on one batch, ``opt.lr`` compiled in. For K-FAC the layers are ``layers``,
+  or traced on the first batch of the training set, and the step passes the
+  captured curvature to ``update``.
   """
-  if not is_kfac(opt.name):
-    tx = build(opt, steps, None)
+  if is_kfac(opt.name) and layers is None:
+    layers = kfac_layers(task, params, state)
+  step = _step_function(task, opt, steps, layers)
+  return build(opt, steps, layers), jax.jit(lambda *carry_and_batch: step(*carry_and_batch, opt.lr))
 
-    def gradients(params, state, xb, yb):
-      (loss, state), grads = jax.value_and_grad(task.loss, has_aux=True)(params, state, xb, yb)
-      return loss, state, grads, {}
 
-  else:
-    grad_fn = kfac_grad_fn(task)
-    if layers is None:
-      layers = kfac_layers(task, params, state)
-    tx = build(opt, steps, layers)
+class Programs(NamedTuple):
+  """The jitted programs of `train`'s runs of one task and optimizer, the rate an argument.
 
-    def gradients(params, state, xb, yb):
-      (loss, state), grads, curvature = grad_fn(params, state, xb, yb)
-      return loss, state, grads, {"curvature": curvature}
+  ``step`` is `_step_function` jitted; ``curvature(opt_state, lr)`` is K-FAC's
+  `kaisa_jax.curvature_statistics` (None for a first-order optimizer);
+  ``evaluate(params, state)`` gives the task's training loss and metric.
+  ``task`` is kept so that no other task takes its ``id`` while they are kept.
+  """
+
+  task: Task
+  layers: kaisa_jax.Layers | None
+  step: Callable[..., Any]
+  curvature: Callable[..., Any] | None
+  evaluate: Callable[..., Any]
+
+
+# The programs of recent runs, by task, settings but the rate, and steps: a sweep's trials and
+# a study's seeds compile their step once between them.
+_PROGRAMS: collections.OrderedDict[tuple[Any, ...], Programs] = collections.OrderedDict()
+PROGRAMS_KEPT = 4
+
+
+def _curvature_program(
+  opt: Optimizer, steps: int, layers: kaisa_jax.Layers
+) -> Callable[[Any, Any], kaisa_jax.CurvatureStatistics]:
+  """K-FAC's `kaisa_jax.curvature_statistics` of an ``opt_state``, jitted, the rate an argument."""
+
+  def curvature(opt_state, lr):
+    kfac = kfac_transform(dataclasses.replace(opt, lr=lr), steps, layers)
+    return kaisa_jax.curvature_statistics(kfac, opt_state)
+
+  return jax.jit(curvature)
+
+
+def programs(task: Task, opt: Optimizer, steps: int, params: Any, state: Any) -> Programs:
+  """The `Programs` of ``opt`` on ``task`` for runs of ``steps``, made or reused.
+
+  Runs alike but for ``opt.lr`` share them, hence one compilation each; the
+  `PROGRAMS_KEPT` most recently used are kept.
+  """
+  key = (id(task), json.dumps(opt.config() | {"lr": None}, sort_keys=True), steps)
+  if key in _PROGRAMS:
+    _PROGRAMS.move_to_end(key)
+    return _PROGRAMS[key]
+  layers = kfac_layers(task, params, state) if is_kfac(opt.name) else None
+  x, y = (jnp.asarray(a) for a in task.train)
+  x_test, y_test = (jnp.asarray(a) for a in task.test)
+  seen = slice(None, None, -(-len(x) // TRAIN_LOSS_EXAMPLES))
 
   @jax.jit
-  def step(params, state, opt_state, xb, yb):
-    loss, state, grads, extra = gradients(params, state, xb, yb)
-    updates, opt_state = tx.update(grads, opt_state, params, **extra)
-    return optax.apply_updates(params, updates), state, opt_state, loss
+  def evaluate(params, state):
+    return task.evaluate(params, state, (x[seen], y[seen]), (x_test, y_test))
 
-  return tx, step
+  _PROGRAMS[key] = Programs(
+    task,
+    layers,
+    jax.jit(_step_function(task, opt, steps, layers)),
+    None if layers is None else _curvature_program(opt, steps, layers),
+    evaluate,
+  )
+  while len(_PROGRAMS) > PROGRAMS_KEPT:
+    _PROGRAMS.popitem(last=False)
+  return _PROGRAMS[key]
 
 
 def run_config(
@@ -187,34 +265,23 @@ def train(
   `kaisa_jax.check_damping` warns from it), ``config`` (task, seed, optimizer
   settings and ``extra_config``) and ``versions``.
   The model state (BatchNorm's ``batch_stats``) is carried from step to step.
+  Runs alike but for ``opt.lr`` share their compiled programs (`programs`).
   Raises `FloatingPointError` when the training loss becomes NaN or infinite,
   `ValueError` unless ``steps`` and ``eval_every`` are positive.
   """
   if steps < 1 or eval_every < 1:
     raise ValueError(f"steps ({steps}) and eval_every ({eval_every}) must be positive")
   x, y = (jnp.asarray(a) for a in task.train)
-  x_test, y_test = (jnp.asarray(a) for a in task.test)
   params, state = task.init(jax.random.key(seed), x[:1])
-  curvature = None
-  if is_kfac(opt.name):
-    layers = kfac_layers(task, params, state)
-    tx, step = make_step(task, opt, steps, params, state, layers)
-    curvature = jax.jit(partial(kaisa_jax.curvature_statistics, kfac_transform(opt, steps, layers)))
-  else:
-    tx, step = make_step(task, opt, steps, params, state)
-  opt_state = tx.init(params)
-
-  seen = slice(None, None, -(-len(x) // TRAIN_LOSS_EXAMPLES))
-
-  @jax.jit
-  def evaluate(params, state):
-    return task.evaluate(params, state, (x[seen], y[seen]), (x_test, y_test))
+  run = programs(task, opt, steps, params, state)
+  opt_state = build(opt, steps, run.layers).init(params)
+  lr, evaluate = opt.lr, run.evaluate
 
   meta = {"config": run_config(task, opt, steps, seed, extra_config), "versions": versions()}
   index = batches(len(task.train[0]), task.batch_size, seed)
   first = next(index)
   # Compile outside the clock.
-  step.lower(params, state, opt_state, x[first], y[first]).compile()
+  run.step.lower(params, state, opt_state, x[first], y[first], lr).compile()
   records: list[dict[str, Any]] = []
   wall = 0.0
   sink = atomic_open(out) if out is not None else contextlib.nullcontext()
@@ -224,8 +291,8 @@ def train(
     loss, metric = (float(v) for v in evaluate(params, state))
     rec = {"step": k, "wall_seconds": wall, "train_loss": loss, "metric": metric}
     rec["skipped_steps"] = int(opt_state.total_notfinite)  # non-finite gradients
-    if curvature is not None:  # K-FAC's health counters and curvature
-      stats = curvature(opt_state)
+    if run.curvature is not None:  # K-FAC's health counters and curvature
+      stats = run.curvature(opt_state, lr)
       kaisa_jax.check_damping(stats)
       rec["skipped_factor_updates"] = int(stats.skipped_factor_updates)
       rec["failed_decompositions"] = int(stats.failed_decompositions)
@@ -242,7 +309,7 @@ def train(
     idx = first
     for k in range(1, steps + 1):
       start = time.perf_counter()
-      params, state, opt_state, loss = step(params, state, opt_state, x[idx], y[idx])
+      params, state, opt_state, loss = run.step(params, state, opt_state, x[idx], y[idx], lr)
       loss.block_until_ready()
       wall += time.perf_counter() - start
       if not np.isfinite(float(loss)):

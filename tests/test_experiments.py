@@ -10,6 +10,7 @@ its summary.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import json
@@ -19,6 +20,7 @@ import re
 import shutil
 import string
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -27,6 +29,7 @@ import pytest
 from benchmarks import generated
 from experiments import __main__ as cli
 from experiments import files, optimizers, report, scale, tasks
+from experiments import train as training
 from experiments.train import train
 
 FIELDS = {"step", "wall_seconds", "train_loss", "metric", "config", "versions"}
@@ -466,6 +469,36 @@ def test_a_failing_run_leaves_no_partial_file(tmp_path):
   assert path.read_text() == "whole\n" and list(tmp_path.iterdir()) == [path]
 
 
+def test_runs_alike_but_for_the_rate_share_their_programs_and_train_as_if_alone(monkeypatch):
+  """A sweep's trials compile once: the rate is an argument of the programs `train` keeps."""
+  task = small("mnist1d")
+  compiles = []
+
+  def listen(name, secs, **kwargs):
+    if name.endswith("backend_compile_duration"):
+      compiles.append(name)
+
+  def run(lr, damping=1e-2):
+    before = len(compiles)
+    opt = optimizers.Optimizer("kfac", lr, {"damping": damping}, warmup=0.25)
+    records = strip_wall(train(task, opt, 4, 0, 2, None, progress=False))
+    return records, len(compiles) - before
+
+  monkeypatch.setattr(training, "_PROGRAMS", collections.OrderedDict())
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    first, compiled = run(0.1)
+    assert compiled >= 3  # the step, K-FAC's curvature statistics, the evaluation
+    shared, compiled = run(0.03)
+    assert compiled == 0
+    assert run(0.03, damping=1e-1)[1] > 0  # other settings: programs of their own
+    training._PROGRAMS.clear()
+    alone, compiled = run(0.03)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
+  assert compiled > 0 and shared == alone and shared != first
+
+
 WALL_CLOCK = {"wall_seconds", "seconds_to_target", "training_seconds"}
 
 
@@ -761,6 +794,14 @@ def test_warmup_schedule_rises_from_0_then_decays_and_none_is_the_cosine():
   assert float(lr(2)) == pytest.approx(0.04)  # linear: 2/5 of the peak
   assert float(lr(5)) == pytest.approx(0.1)  # the peak at the end of the warmup
   assert float(lr(5 + 95 // 2)) < 0.06 and float(lr(steps)) == pytest.approx(0.0)
+  optax_warmup = optax.warmup_cosine_decay_schedule(0.0, 0.1, 5, steps)
+  for t in range(steps + 1):  # optax's warmup and cosine, bit for bit; the peak may be traced
+    assert float(lr(t)) == float(optax_warmup(t)), t
+  traced = jax.jit(
+    lambda peak, t: optimizers.schedule(dataclasses.replace(warm, lr=peak), steps)(t)
+  )
+  at = (0, 2, 5, 50)  # compiled, to float32 rounding
+  assert [float(traced(0.1, t)) for t in at] == pytest.approx([float(lr(t)) for t in at], rel=1e-6)
   # A warmup lasts at least one step and leaves the decay one.
   assert optimizers.warmup_steps(dataclasses.replace(warm, warmup=0.01), 10) == 1
   assert optimizers.warmup_steps(dataclasses.replace(warm, warmup=0.9), 10) == 9
