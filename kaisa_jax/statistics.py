@@ -271,7 +271,8 @@ def curvature_statistics(
   stored eigenvalues and decomposes nothing; the inverse method costs one
   ``eigvalsh`` per dense factor.
 
-  On concrete values (not traced), it also runs `check_damping`, which warns
+  On concrete values (not traced), it computes them as one program, compiled
+  at the first call for each plan, and also runs `check_damping`, which warns
   once per process where the damping is negligible or drowns the curvature.
 
   Distributed: it reads a single-device state, the global state of a mesh
@@ -306,6 +307,17 @@ def curvature_statistics(
   state = _global_view(plan, state)
   dtype = preconditioning.decomposition_dtype(plan.factor_dtype)
   damp = _resolve_damping(kfac, state, injected, damping, dtype)
+  if any(hp.is_traced(x) for x in jax.tree.leaves((state, damp))):
+    return _statistics(plan, state, damp)
+  # Concrete: one compiled program per plan, rather than an operation at a time.
+  stats = _compiled_statistics(plan, state, damp)
+  check_damping(stats)
+  return stats
+
+
+def _statistics(plan: Plan, state: state_lib.KFACState, damp: Array) -> CurvatureStatistics:
+  """`curvature_statistics` of a global K-FAC state at damping ``damp``, without the check."""
+  dtype = preconditioning.decomposition_dtype(plan.factor_dtype)
   form = plan.damping_form
   decompositions = state_lib.grouped_decompositions(plan, state)
   needs_factors = any(t.method != preconditioning.EIGEN for _, t in plan.layers)
@@ -321,7 +333,7 @@ def curvature_statistics(
     layers[spec.name] = layer_statistics(
       *values, t.method, damp, phases.layer_damping_form(spec, form)
     )
-  stats = CurvatureStatistics(
+  return CurvatureStatistics(
     layers,
     damp,
     state.kl_scale,
@@ -329,9 +341,9 @@ def curvature_statistics(
     state.skipped_factor_updates,
     state.failed_decompositions,
   )
-  if not any(hp.is_traced(x) for x in jax.tree.leaves(stats)):
-    check_damping(stats)
-  return stats
+
+
+_compiled_statistics = jax.jit(_statistics, static_argnums=0)
 
 
 _warned: set[str] = set()

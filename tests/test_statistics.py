@@ -321,6 +321,7 @@ def test_the_damping_warning_fires_once(monkeypatch):
     for damping, kind, word in ((low, "negligible", "negligible"), (high, "drowning", "drowns")):
       for _ in range(2):
         stats = kaisa_jax.curvature_statistics(kfac, opt_state, damping=damping)
+        assert len(caught) == 1  # called outside jit, it checks (and warns once) itself
         jitted = jax.jit(functools.partial(kaisa_jax.curvature_statistics, kfac, damping=damping))
         found = kaisa_jax.check_damping(jitted(opt_state))
         assert set(getattr(found, kind)) == set(stats.layers)  # every layer flagged
