@@ -8,6 +8,7 @@ embeddings (the token embedding tied to the output), two pre-norm blocks under
 import jax
 import numpy as np
 import optax
+from conftest import compiled_optimised
 
 import kaisa_jax
 from experiments import tasks
@@ -43,6 +44,7 @@ def test_character_transformer_trains_below_unigram_baseline():
     return optax.apply_updates(params, updates), opt_state, loss
 
   opt_state = tx.init(params)
+  step = compiled_optimised(step, params, opt_state, x[:BATCH], y[:BATCH])  # 200 steps to run
   rng = np.random.default_rng(0)
   losses = []
   for _ in range(STEPS):
