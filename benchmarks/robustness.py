@@ -39,6 +39,13 @@ damping. ``--page`` writes them into docs/benchmarks/robustness.md (its block
 ``robustness``) and README.md (``robustness targets``, `benchmarks.generated`),
 ``--figure PATH`` draws them.
 
+Final losses this close to zero depend on the CPU's rounding (its vector
+width changes the order of XLA's sums), and a training run amplifies that:
+``--forms --out benchmarks/results/robustness_rerun.json`` on another machine
+trains the baselines and K-FAC at its defaults again, and the tables then show
+both runs side by side (`rerun_table`; ``--rerun`` names another file). Each
+results file records the CPU it was trained on (`machine`).
+
 ``--kl-clips 0.01 none --problems lstm ...`` trains, for problems already
 in the results, K-FAC at its defaults but for each KL clip (`tune_clip`; a
 table of its own, `clip_table`).
@@ -73,6 +80,9 @@ from experiments import suite
 from kaisa_jax import preconditioning
 
 RESULTS = Path(__file__).parent / "results" / "robustness.json"
+# The same benchmark but for the forms at the baseline's rate (``--forms``), run again on another
+# CPU: how much of a verdict is the machine's rounding (`rerun_table`).
+RERUN = Path(__file__).parent / "results" / "robustness_rerun.json"
 STEPS = 300
 DAMPINGS = (1e-4, 1e-3, 1e-2, 1e-1)
 FORMS = ("relative", "pi", "kaisa")
@@ -199,6 +209,21 @@ def load(path: Path) -> dict[str, Any]:
   return json.loads(path.read_text()) if path.exists() else {"problems": {}}
 
 
+def machine() -> str:
+  """The CPU's model name, core count and vector extensions, from ``/proc/cpuinfo``."""
+  try:
+    text = Path("/proc/cpuinfo").read_text()
+  except OSError:
+    return "unknown"
+  fields = dict(
+    line.split(":", 1) for line in text.splitlines() if line.count(":") and line[0].isalpha()
+  )
+  flags = fields.get("flags", "").split()
+  vector = [f for f in ("avx", "avx2", "fma", "avx512f") if f in flags]
+  cores = text.count("processor\t:")
+  return f"{fields.get('model name', 'unknown').strip()}, {cores} cores, {' '.join(vector)}"
+
+
 def save(results: dict[str, Any], path: Path) -> None:
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(json.dumps(results, indent=1) + "\n")
@@ -212,6 +237,11 @@ def dampings_of(results: dict[str, Any], form: str) -> list[float]:
   """Every damping measured for ``form`` on some problem, in increasing order."""
   keys = {k for r in results["problems"].values() for k in r["kfac"].get(form, {})}
   return sorted(float(k) for k in keys)
+
+
+def measured_forms(results: dict[str, Any]) -> list[str]:
+  """The forms of `FORMS` trained at the baseline's rate on some problem."""
+  return [form for form in FORMS if dampings_of(results, form)]
 
 
 def ratio(r: dict[str, Any], form: str, damping: float) -> float:
@@ -245,7 +275,7 @@ def summary_table(results: dict[str, Any]) -> str:
     "| form | damping | K-FAC <= baseline | worst ratio (model) | geometric mean ratio |",
     "|---|---:|---|---|---:|",
   ]
-  for form in FORMS:
+  for form in measured_forms(results):
     for d in dampings_of(results, form):
       at = {name: ratio(r, form, d) for name, r in problems.items()}
       at = {name: x for name, x in at.items() if not math.isnan(x)}
@@ -261,19 +291,22 @@ def summary_table(results: dict[str, Any]) -> str:
 
 
 def spread_table(results: dict[str, Any]) -> str:
-  """Per form and problem, over `DAMPINGS`: the worst damping's final loss over the best's."""
+  """Per form and problem, over `DAMPINGS`: the worst damping's final loss over the best's
+  (empty where a problem was not trained at every damping of the form)."""
   problems = results["problems"]
   lines = [
     "| form | " + " | ".join(problems) + " | worst |",
     "|---|" + "---:|" * (len(problems) + 1),
   ]
-  for form in FORMS:
+  for form in measured_forms(results):
     spreads = []
     for r in problems.values():
-      finals = [mean(r["kfac"][form][repr(d)]) for d in DAMPINGS]
-      spreads.append(max(finals) / min(finals))
-    cells = [_ratio(x) for x in spreads]
-    lines.append(f"| {form} | " + " | ".join(cells) + f" | {_ratio(max(spreads))} |")
+      at = r["kfac"].get(form, {})
+      finals = [mean(at[repr(d)]) for d in DAMPINGS if repr(d) in at]
+      spreads.append(max(finals) / min(finals) if len(finals) == len(DAMPINGS) else math.nan)
+    cells = ["" if math.isnan(x) else _ratio(x) for x in spreads]
+    worst = max((x for x in spreads if not math.isnan(x)), default=math.nan)
+    lines.append(f"| {form} | " + " | ".join(cells) + f" | {_ratio(worst)} |")
   return "\n".join(lines)
 
 
@@ -326,22 +359,23 @@ def tuned_table(results: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
+def _verdict(rows: dict[str, dict[str, float]], key: str, bound: float) -> str:
+  """On how many problems ``row[key]`` is at most ``bound``, and the misses."""
+  misses = {name: row[key] for name, row in rows.items() if not row[key] <= bound}
+  text = f"met on {len(rows) - len(misses)} of {len(rows)}"
+  if misses:
+    text += "; missed on " + ", ".join(f"{n} ({_ratio(x)}x)" for n, x in misses.items())
+  return text
+
+
 def targets(results: dict[str, Any]) -> str:
   """Which problems meet each target, from K-FAC at its own tuned rate."""
   rows = tuned_rows(results)
-
-  def verdict(key: str, bound: float) -> str:
-    misses = {name: row[key] for name, row in rows.items() if not row[key] <= bound}
-    text = f"met on {len(rows) - len(misses)} of {len(rows)}"
-    if misses:
-      text += "; missed on " + ", ".join(f"{n} ({_ratio(x)}x)" for n, x in misses.items())
-    return text
-
   return (
     "- Target 1, K-FAC at its defaults (only `lr` chosen, on the baseline's grid) at or below the "
-    f"tuned baseline's final loss: {verdict('ratio', 1.0)}.\n"
+    f"tuned baseline's final loss: {_verdict(rows, 'ratio', 1.0)}.\n"
     "- Target 2, at that rate, every damping from 1e-4 to 1e-1 within 2x of the best one's "
-    f"final loss: {verdict('spread', 2.0)}."
+    f"final loss: {_verdict(rows, 'spread', 2.0)}."
   )
 
 
@@ -377,9 +411,125 @@ def clip_table(results: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
-def readme(results: dict[str, Any]) -> str:
-  """K-FAC at its defaults against each tuned baseline, and the targets (README's block)."""
-  return tuned_table(results) + "\n\n" + targets(results)
+def _median_ratio(r: dict[str, Any]) -> float:
+  """K-FAC at its defaults over the tuned baseline, each the median of its seeds' final losses."""
+  kfac = r["tuned"]["dampings"][repr(preconditioning.DEFAULT_DAMPING)]
+  return float(np.median(kfac) / np.median(r["baseline"][repr(r["lr"])]))
+
+
+def rerun_table(results: dict[str, Any], rerun: dict[str, Any]) -> str:
+  """K-FAC at its defaults against the tuned baseline, as ``results`` and ``rerun`` (the same
+  code and seeds on another CPU) measured it: the rates each tuned, the ratio of the seeds' mean
+  final losses (the targets') and of their medians, which one seed's spike does not move, and
+  the spread over the dampings; then the targets as read from ``rerun``."""
+  first, second = tuned_rows(results), tuned_rows(rerun)
+  lines = [
+    "| model | baseline lr | K-FAC lr | ratio | ratio of the medians | worst over best |",
+    "|---|---|---|---|---|---|",
+  ]
+  for name in (n for n in first if n in second):
+    a, b = results["problems"][name], rerun["problems"][name]
+    lines.append(
+      f"| {name} | {a['lr']:g}, {b['lr']:g} | {a['tuned']['lr']:g}, {b['tuned']['lr']:g} "
+      f"| {_ratio(first[name]['ratio'])}, {_ratio(second[name]['ratio'])} "
+      f"| {_ratio(_median_ratio(a))}, {_ratio(_median_ratio(b))} "
+      f"| {_ratio(first[name]['spread'])}, {_ratio(second[name]['spread'])} |"
+    )
+  return (
+    "\n".join(lines)
+    + "\n\n"
+    + _agreement(results, rerun)
+    + " Read from the second run:\n\n"
+    + targets(rerun)
+    + "\n- Target 1 by the ratio of the seeds' medians, in both runs: "
+    + _median_verdict(results, rerun)
+    + "."
+  )
+
+
+def run_pairs(results: dict[str, Any], rerun: dict[str, Any]) -> list[tuple[float, float]]:
+  """The final losses of every run both trained, first run's and rerun's: each seed of each rate
+  of the baseline and of K-FAC at its defaults, and of each damping where both tuned K-FAC to the
+  same rate."""
+  pairs = []
+  for name, a in results["problems"].items():
+    b = rerun["problems"].get(name)
+    if b is None or "tuned" not in a or "tuned" not in b:
+      continue
+    groups = [(a["baseline"], b["baseline"]), (a["tuned"]["by_lr"], b["tuned"]["by_lr"])]
+    if a["tuned"]["lr"] == b["tuned"]["lr"]:  # the default's runs are by_lr's: not twice
+      default = repr(preconditioning.DEFAULT_DAMPING)
+      groups.append(
+        tuple(
+          {k: v for k, v in t["dampings"].items() if k != default} for t in (a["tuned"], b["tuned"])
+        )
+      )
+    for x, y in groups:
+      for key in x.keys() & y.keys():
+        pairs += zip(x[key], y[key], strict=True)
+  return pairs
+
+
+def _agreement(results: dict[str, Any], rerun: dict[str, Any]) -> str:
+  """How many runs both trained ended bit for bit alike, within 10 %, and more than 2x apart."""
+  pairs = run_pairs(results, rerun)
+
+  def apart(a: float, b: float) -> float:
+    if a == b:
+      return 1.0
+    if min(a, b) <= 0 or not all(map(math.isfinite, (a, b))):
+      return math.inf
+    return max(a, b) / min(a, b)
+
+  factors = [apart(a, b) for a, b in pairs]
+  return (
+    f"Of the {len(pairs)} runs both trained (every rate and damping, every seed), "
+    f"{sum(f == 1.0 for f in factors)} ended bit for bit alike, {sum(f <= 1.1 for f in factors)} "
+    f"within 10 % and {sum(f > 2.0 for f in factors)} more than 2x apart."
+  )
+
+
+def _median_verdict(results: dict[str, Any], rerun: dict[str, Any]) -> str:
+  """Target 1 read from `_median_ratio` in both runs: where both meet it, where both miss it,
+  where they disagree."""
+  both = [n for n in tuned_rows(results) if n in tuned_rows(rerun)]
+  pairs = {
+    n: (_median_ratio(results["problems"][n]), _median_ratio(rerun["problems"][n])) for n in both
+  }
+  met = [n for n, (a, b) in pairs.items() if a <= 1.0 and b <= 1.0]
+  missed = [n for n, (a, b) in pairs.items() if a > 1.0 and b > 1.0]
+  split = [n for n in both if n not in met and n not in missed]
+
+  def named(names: list[str]) -> str:
+    return ", ".join(f"{n} ({_ratio(pairs[n][0])}x, {_ratio(pairs[n][1])}x)" for n in names)
+
+  text = f"met on {len(met)} of {len(both)}"
+  if missed:
+    text += f"; missed on {named(missed)}"
+  if split:
+    text += f"; met in one run only on {named(split)}"
+  return text
+
+
+def _machines(results: dict[str, Any], rerun: dict[str, Any]) -> str:
+  return (
+    f"first run: {results.get('machine', 'CPU not recorded')}; "
+    f"second run: {rerun.get('machine', 'CPU not recorded')}"
+  )
+
+
+def readme(results: dict[str, Any], rerun: dict[str, Any] | None = None) -> str:
+  """K-FAC at its defaults against each tuned baseline, and the targets (README's block); with
+  ``rerun``, the targets as read from it."""
+  text = tuned_table(results) + "\n\n" + targets(results)
+  if rerun is not None:
+    rows = tuned_rows(rerun)
+    text += (
+      "\n- Trained again on another CPU, same code and seeds: target 1 "
+      f"{_verdict(rows, 'ratio', 1.0)}; target 2 {_verdict(rows, 'spread', 2.0)}. Target 1 by "
+      f"the ratio of the seeds' medians, in both runs: {_median_verdict(results, rerun)}."
+    )
+  return text
 
 
 # Decades of the relative damping by which `curvature_table` groups the runs.
@@ -412,8 +562,9 @@ def curvature_table(results: dict[str, Any], key: str) -> str:
   return "\n".join(lines)
 
 
-def report(results: dict[str, Any]) -> str:
-  """Every table, as Markdown (what ``--table`` prints and the block ``robustness`` holds)."""
+def report(results: dict[str, Any], rerun: dict[str, Any] | None = None) -> str:
+  """Every table, as Markdown (what ``--table`` prints and the block ``robustness`` holds); with
+  ``rerun``, `rerun_table` after the targets."""
   parts = [
     f"{results['seeds']} seeds, {results['steps']} steps, final loss the mean of the last "
     f"{results['tail']}; each cell: K-FAC's mean final loss over the tuned baseline's "
@@ -429,6 +580,12 @@ def report(results: dict[str, Any]) -> str:
       tuned_table(results),
       targets(results),
     ]
+  if tuned and rerun is not None:
+    parts += [
+      "The same comparison trained again, same code and seeds, on another CPU "
+      f"({_machines(results, rerun)}); each cell: the first run's, then the second's:",
+      rerun_table(results, rerun),
+    ]
   if any("kl_clip" in r for r in results["problems"].values()):
     parts += [
       "K-FAC at its defaults but for the KL clip (`kl_clip`; `None`: no clip), each clip's "
@@ -436,9 +593,12 @@ def report(results: dict[str, Any]) -> str:
       "its rate:",
       clip_table(results),
     ]
+  forms = measured_forms(results)
+  if not forms:  # a rerun (``--forms``): K-FAC at its own rate only
+    return "\n\n".join(parts)
   if tuned:
     parts += ["The tables below run K-FAC at the baseline's learning rate."]
-  for form in FORMS:
+  for form in forms:
     parts += [f"Damping form `{form}`:", form_table(results, form)]
   parts += [
     "Over the models, per form and damping:",
@@ -522,6 +682,13 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument(
     "--out", type=Path, default=RESULTS, help="the results file (read, then updated)"
   )
+  parser.add_argument(
+    "--rerun",
+    type=Path,
+    default=RERUN,
+    help="results of the same benchmark trained again on another CPU, shown beside --out's "
+    "in the tables (when the file exists)",
+  )
   args = parser.parse_args(argv)
   if args.seeds < 1:
     parser.error("--seeds must be at least 1")
@@ -549,10 +716,12 @@ def main(argv: list[str] | None = None) -> None:
         previous,
       )
       results |= {"steps": STEPS, "tail": suite.TAIL, "seeds": args.seeds, "jax": jax.__version__}
+      results["machine"] = machine()
       save(results, args.out)
-  print(report(results))
+  rerun = load(args.rerun) if args.rerun.exists() and args.rerun != args.out else None
+  print(report(results, rerun))
   if args.page:
-    for block, text in ((BLOCK, report(results)), (README_BLOCK, readme(results))):
+    for block, text in ((BLOCK, report(results, rerun)), (README_BLOCK, readme(results, rerun))):
       for path in generated.write(block, text):
         print(f"tables written to {path}")
   if args.figure:

@@ -14,11 +14,17 @@ def _benchmark():
   return module
 
 
+def _rerun(robustness):
+  """The committed rerun on another CPU, if there is one."""
+  return json.loads(robustness.RERUN.read_text()) if robustness.RERUN.exists() else None
+
+
 def test_page_holds_the_tables_generated_from_the_committed_results():
   robustness = _benchmark()
   results = json.loads(robustness.RESULTS.read_text())
   page = (ROOT / "docs" / "benchmarks" / "robustness.md").read_text()
-  assert robustness.generated.body(page, robustness.BLOCK) == robustness.report(results)
+  rerun = _rerun(robustness)
+  assert robustness.generated.body(page, robustness.BLOCK) == robustness.report(results, rerun)
   # Every problem of the suite, every form at every damping of the grid, three seeds.
   assert sorted(results["problems"]) == sorted(robustness.suite.SUITE)
   for r in results["problems"].values():
@@ -52,7 +58,9 @@ def test_kfac_at_its_defaults_is_tuned_like_the_baseline():
   robustness = _benchmark()
   results = json.loads(robustness.RESULTS.read_text())
   readme = (ROOT / "README.md").read_text()
-  assert robustness.generated.body(readme, robustness.README_BLOCK) == robustness.readme(results)
+  rerun = _rerun(robustness)
+  block = robustness.generated.body(readme, robustness.README_BLOCK)
+  assert block == robustness.readme(results, rerun)
   for name, r in results["problems"].items():
     for by_lr, lr in ((r["tuned"]["by_lr"], r["tuned"]["lr"]), (r["baseline"], r["lr"])):
       rates = sorted(float(k) for k in by_lr)
@@ -95,3 +103,59 @@ def test_clip_table_compares_each_clips_best_rate_with_the_baseline():
   )
   assert lines[2] == "| a | sgd 0.3, 2 | 1 (lr 0.1) |  | 0.25 (lr 0.3) | 4 (lr 0.1) |"
   assert lines[3] == "| b | sgd 0.1, 1 | 3 (lr 0.03) | 2 (lr 0.1) | 0.5 (lr 0.1) |  |"
+
+
+def test_a_rerun_on_another_cpu_is_shown_beside_the_first_run():
+  """Each cell of `rerun_table` holds the first run's figure, then the rerun's, each computed
+  from its own file (the ratio of the seeds' means and of their medians apart); the targets
+  below it, and the README's line, are the rerun's."""
+  robustness = _benchmark()
+  damping = robustness.preconditioning.DEFAULT_DAMPING
+
+  def problem(kfac_losses, worst, baseline=(2.0, 2.0, 2.0), lr=0.3):
+    dampings = {repr(d): [worst] * 3 for d in robustness.DAMPINGS}
+    dampings[repr(damping)] = list(kfac_losses)
+    return {
+      "optimizer": "sgd",
+      "lr": lr,
+      "baseline": {repr(lr): list(baseline)},
+      "tuned": {"lr": 0.1, "by_lr": {"0.1": list(kfac_losses)}, "dampings": dampings},
+    }
+
+  # a: one seed of the first run's baseline spikes (mean 6, median 2); b: one of the rerun's
+  # K-FAC; c: behind the baseline in both, one run 3 % apart.
+  first = {
+    "problems": {
+      "a": problem([1.0] * 3, 1.5, (2.0, 2.0, 14.0)),
+      "b": problem([3.0] * 3, 3.0),
+      "c": problem([3.0] * 3, 3.0),
+    }
+  }
+  second = {
+    "problems": {
+      "a": problem([4.0] * 3, 4.0, lr=0.1),
+      "b": problem([0.5, 0.5, 2.0], 8.0),
+      "c": problem([3.0, 3.0, 3.1], 3.0),
+    },
+    "machine": "CPU B",
+  }
+  lines = robustness.rerun_table(first, second).splitlines()
+  assert lines[2] == "| a | 0.3, 0.1 | 0.1, 0.1 | 0.17, 2 | 0.5, 2 | 1.5, 1 |"
+  assert lines[3] == "| b | 0.3, 0.3 | 0.1, 0.1 | 1.5, 0.5 | 1.5, 0.25 | 1, 8 |"
+  assert lines[4] == "| c | 0.3, 0.3 | 0.1, 0.1 | 1.5, 1.5 | 1.5, 1.5 | 1, 1 |"
+  # Pairs of runs: a's baselines have no rate in common; its K-FAC runs 4x and 2.7x apart.
+  assert lines[-5] == (
+    "Of the 42 runs both trained (every rate and damping, every seed), 17 ended bit for bit "
+    "alike, 18 within 10 % and 23 more than 2x apart. Read from the second run:"
+  )
+  assert lines[-3].endswith("met on 1 of 3; missed on a (2x), c (1.5x).")
+  assert lines[-2].endswith("met on 2 of 3; missed on b (8x).")
+  medians = (
+    "met on 0 of 3; missed on c (1.5x, 1.5x); met in one run only on a (0.5x, 2x), b (1.5x, 0.25x)"
+  )
+  assert lines[-1].endswith(f"in both runs: {medians}.")
+  line = robustness.readme(first, second).splitlines()[-1]
+  assert line.startswith("- Trained again on another CPU, same code and seeds: target 1 met on 1")
+  assert line.endswith(
+    f"missed on b (8x). Target 1 by the ratio of the seeds' medians, in both runs: {medians}."
+  )
