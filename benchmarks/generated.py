@@ -1,7 +1,7 @@
 """Generated text: the blocks of README.md and docs/ that scripts write from committed results.
 
 A block is the text between ``<!-- NAME: begin -->`` and ``<!-- NAME: end -->`` (each marker
-on a line of its own). `BLOCKS` names, for every block, the results file it is rendered from
+on a line of its own). `BLOCKS` names, for every block, the results files it is rendered from
 (under ``benchmarks/results/``) and the function that renders it: the function the owning script
 uses when it prints or publishes a run, so that a new run rewrites the results file and every
 block drawn from it. A block may appear in several files; it reads the same in each.
@@ -44,11 +44,13 @@ class Block:
     renderer: ``"module:function"``; the function takes the loaded results (nothing when
       ``results`` is None) and returns the block's Markdown.
     command: the command that measures the results anew and rewrites the block.
+    also: further results files, passed to the renderer after ``results``, in order.
   """
 
   results: str | None
   renderer: str
   command: str
+  also: tuple[str, ...] = ()
 
 
 BLOCKS: dict[str, Block] = {
@@ -58,10 +60,16 @@ BLOCKS: dict[str, Block] = {
     "python -m mutation, then python -m mutation --publish mutation/reports/all.json",
   ),
   "robustness": Block(
-    "robustness.json", "benchmarks.robustness:report", "python benchmarks/robustness.py --page"
+    "robustness.json",
+    "benchmarks.robustness:report",
+    "python benchmarks/robustness.py --page",
+    also=("robustness_rerun.json",),
   ),
   "robustness targets": Block(
-    "robustness.json", "benchmarks.robustness:readme", "python benchmarks/robustness.py --page"
+    "robustness.json",
+    "benchmarks.robustness:readme",
+    "python benchmarks/robustness.py --page",
+    also=("robustness_rerun.json",),
   ),
   "adaptive damping": Block(
     "adaptive_damping.json",
@@ -246,7 +254,9 @@ def render(name: str) -> str:
   """The block ``name`` as its renderer writes it from the committed results."""
   block = BLOCKS[name]
   fn = renderer(name)
-  return fn() if block.results is None else fn(load(block.results))
+  if block.results is None:
+    return fn()
+  return fn(load(block.results), *(load(name) for name in block.also))
 
 
 def differences(files: Iterable[Path] | None = None) -> list[str]:
@@ -316,7 +326,7 @@ def write(name: str, markdown: str, files: Iterable[Path] | None = None) -> list
 def publish(results_file: str, results: Any) -> list[Path]:
   """Writes a results file, then every block rendered from it; the files written."""
   path = save(results_file, results)
-  names = [n for n, b in BLOCKS.items() if b.results == results_file]
+  names = [n for n, b in BLOCKS.items() if results_file in (b.results, *b.also)]
   return [path, *regenerate(names)]
 
 
@@ -334,7 +344,8 @@ def main(argv: list[str] | None = None) -> None:
         held.setdefault(name, []).append(str(path.relative_to(ROOT)))
     for name, block in BLOCKS.items():
       where = ", ".join(held.get(name, ["(no file)"]))
-      print(f"{name}: in {where}; {block.renderer} from {block.results}; rerun: {block.command}")
+      files = ", ".join(filter(None, (block.results, *block.also)))
+      print(f"{name}: in {where}; {block.renderer} from {files}; rerun: {block.command}")
     return
   if args.check:
     wrong = differences()

@@ -215,13 +215,15 @@ def machine() -> str:
     text = Path("/proc/cpuinfo").read_text()
   except OSError:
     return "unknown"
-  fields = dict(
-    line.split(":", 1) for line in text.splitlines() if line.count(":") and line[0].isalpha()
-  )
+  fields = {}
+  for line in text.splitlines():
+    key, colon, value = line.partition(":")
+    if colon:
+      fields.setdefault(key.strip(), value.strip())
   flags = fields.get("flags", "").split()
   vector = [f for f in ("avx", "avx2", "fma", "avx512f") if f in flags]
   cores = text.count("processor\t:")
-  return f"{fields.get('model name', 'unknown').strip()}, {cores} cores, {' '.join(vector)}"
+  return f"{fields.get('model name', 'unknown')}, {cores} cores, {' '.join(vector)}"
 
 
 def save(results: dict[str, Any], path: Path) -> None:

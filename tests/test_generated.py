@@ -62,7 +62,7 @@ def test_every_block_is_published_and_every_results_file_read():
     name for path in generated.pages() for name, _, _ in generated.blocks_in(path.read_text())
   }
   assert sorted(set(generated.BLOCKS) - held) == [], "renderers whose block no page holds"
-  read = {b.results for b in generated.BLOCKS.values()}
+  read = {f for b in generated.BLOCKS.values() for f in (b.results, *b.also)}
   committed = {p.name for p in generated.RESULTS.glob("*.json")}
   assert sorted(committed - read) == [], "results files no block is rendered from"
   assert sorted(read - {None} - committed) == [], "blocks whose results file is not committed"
