@@ -486,8 +486,9 @@ def _agreement(results: dict[str, Any], rerun: dict[str, Any]) -> str:
   factors = [apart(a, b) for a, b in pairs]
   return (
     f"Of the {len(pairs)} runs both trained (every rate and damping, every seed), "
-    f"{sum(f == 1.0 for f in factors)} ended bit for bit alike, {sum(f <= 1.1 for f in factors)} "
-    f"within 10 % and {sum(f > 2.0 for f in factors)} more than 2x apart."
+    f"{sum(f <= 1.1 for f in factors)} ended within 10 % of each other, "
+    f"{sum(f == 1.0 for f in factors)} of them bit for bit, and {sum(f > 2.0 for f in factors)} "
+    "more than 2x apart."
   )
 
 

@@ -145,8 +145,8 @@ def test_a_rerun_on_another_cpu_is_shown_beside_the_first_run():
   assert lines[4] == "| c | 0.3, 0.3 | 0.1, 0.1 | 1.5, 1.5 | 1.5, 1.5 | 1, 1 |"
   # Pairs of runs: a's baselines have no rate in common; its K-FAC runs 4x and 2.7x apart.
   assert lines[-5] == (
-    "Of the 42 runs both trained (every rate and damping, every seed), 17 ended bit for bit "
-    "alike, 18 within 10 % and 23 more than 2x apart. Read from the second run:"
+    "Of the 42 runs both trained (every rate and damping, every seed), 18 ended within 10 % of "
+    "each other, 17 of them bit for bit, and 23 more than 2x apart. Read from the second run:"
   )
   assert lines[-3].endswith("met on 1 of 3; missed on a (2x), c (1.5x).")
   assert lines[-2].endswith("met on 2 of 3; missed on b (8x).")
