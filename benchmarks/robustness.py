@@ -308,7 +308,8 @@ def spread_table(results: dict[str, Any]) -> str:
       spreads.append(max(finals) / min(finals) if len(finals) == len(DAMPINGS) else math.nan)
     cells = ["" if math.isnan(x) else _ratio(x) for x in spreads]
     worst = max((x for x in spreads if not math.isnan(x)), default=math.nan)
-    lines.append(f"| {form} | " + " | ".join(cells) + f" | {_ratio(worst)} |")
+    last = "" if math.isnan(worst) else _ratio(worst)  # no problem trained at every damping
+    lines.append(f"| {form} | " + " | ".join(cells) + f" | {last} |")
   return "\n".join(lines)
 
 
@@ -495,7 +496,8 @@ def _agreement(results: dict[str, Any], rerun: dict[str, Any]) -> str:
 def _median_verdict(results: dict[str, Any], rerun: dict[str, Any]) -> str:
   """Target 1 read from `_median_ratio` in both runs: where both meet it, where both miss it,
   where they disagree."""
-  both = [n for n in tuned_rows(results) if n in tuned_rows(rerun)]
+  second = tuned_rows(rerun)
+  both = [n for n in tuned_rows(results) if n in second]
   pairs = {
     n: (_median_ratio(results["problems"][n]), _median_ratio(rerun["problems"][n])) for n in both
   }
@@ -722,9 +724,10 @@ def main(argv: list[str] | None = None) -> None:
       results["machine"] = machine()
       save(results, args.out)
   rerun = load(args.rerun) if args.rerun.exists() and args.rerun != args.out else None
-  print(report(results, rerun))
+  page = report(results, rerun)
+  print(page)
   if args.page:
-    for block, text in ((BLOCK, report(results, rerun)), (README_BLOCK, readme(results, rerun))):
+    for block, text in ((BLOCK, page), (README_BLOCK, readme(results, rerun))):
       for path in generated.write(block, text):
         print(f"tables written to {path}")
   if args.figure:
