@@ -723,7 +723,9 @@ def main(argv: list[str] | None = None) -> None:
       results |= {"steps": STEPS, "tail": suite.TAIL, "seeds": args.seeds, "jax": jax.__version__}
       results["machine"] = machine()
       save(results, args.out)
-  rerun = load(args.rerun) if args.rerun.exists() and args.rerun != args.out else None
+  rerun = (
+    load(args.rerun) if args.rerun.exists() and args.rerun.resolve() != args.out.resolve() else None
+  )
   page = report(results, rerun)
   print(page)
   if args.page:
