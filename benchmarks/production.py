@@ -331,9 +331,10 @@ def decomposition_seconds(sizes: list[int], repeats: int = 3) -> list[dict[str, 
 def batch_seconds(kfac: kaisa_jax.KFAC, repeats: int = 3) -> list[dict[str, Any]]:
   """Seconds of the plan's decompositions as the step runs them on one device.
 
-  The step decomposes the dense factors of one size and method together, whatever their stacks
-  (`kaisa_jax.phases`): one batched call for each, of every matrix of that size (layers times
-  groups).
+  On a GPU the step decomposes the dense factors of one size and method together, whatever their
+  stacks (`kaisa_jax.phases`): one batched call for each, of every matrix of that size (layers
+  times groups). On the CPU it decomposes them one matrix at a time in a loop, as the batched
+  call below does there (`kaisa_jax.cpu_loop.each_matrix`).
   """
   plan = kfac.plan
   damping = jnp.float32(1e-3)

@@ -4,7 +4,9 @@ Elsewhere (a GPU) each phase computes a stack of ``k`` equal layers as one
 batch: one batched ``eigh`` or Cholesky, one batched matrix product. XLA's CPU
 backend and jaxlib's LAPACK kernels serve batches poorly, so on the CPU:
 
-* decompositions run one matrix at a time in a loop (`each_matrix`);
+* decompositions run one matrix at a time in a loop (`each_matrix`), and the
+  decomposition phase runs one loop per size over the members of every stack,
+  in place in the flat buffers (`kaisa_jax.phases`);
 * preconditioning runs each member on its own (`at_once`), or, for a stack of
   more than `LOOP_FROM` members, in a loop of `LANES` members a turn
   (`in_loop`); `looped` says which.

@@ -20,6 +20,7 @@ compute.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -27,7 +28,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kaisa_jax import cost, cpu_loop, distribution, parameters, preconditioning, stacking
+from kaisa_jax import (
+  assignment,
+  cost,
+  cpu_loop,
+  distribution,
+  parameters,
+  preconditioning,
+  stacking,
+)
 from kaisa_jax import factors as factors_lib
 from kaisa_jax import hyperparameters as hp
 from kaisa_jax import layers as layers_lib
@@ -248,12 +257,19 @@ def _decompose_owned(
 ) -> tuple[Array, Array]:
   """The branch of device ``(row, col)``: the buffer of its decompositions, and its failures.
 
-  The sides of every stack it owns are decomposed by size and treatment, one
-  batched call for all sides alike (`decomposition_batches`, `_decompose_alike`).
+  The sides of every stack it owns are decomposed by size and treatment: on
+  the CPU member by member in place in the flat buffers (`_decompose_in_place`),
+  elsewhere one batched call for all sides alike (`decomposition_batches`,
+  `_decompose_alike`).
   """
   stacks = plan.layout.stacks(row, col)
-  old = stacking.decomposition_stacks(plan, previous[0, col], stacks)
   new = stacking.factor_stacks(plan, factors[0, 0], stacks)
+  if cpu_loop.on_cpu():
+    flat, failures = _decompose_in_place(
+      plan, stacks, new, factors[0, 0], previous[0, col], damping, comm
+    )
+    return flat[None, None], failures
+  old = stacking.decomposition_stacks(plan, previous[0, col], stacks)
   sides = _sides(plan, stacks, new, old, damping)
   arrays: dict[tuple[int, int], list[Array]] = {}
   failures = jnp.zeros([], jnp.int32)
@@ -267,6 +283,110 @@ def _decompose_owned(
   return comm.vary(flat[None, None], over_group=True), comm.vary(failures, over_group=True)
 
 
+class _Loop(NamedTuple):
+  """The members that one loop of `_decompose_in_place` decomposes: those of one treatment and shape.
+
+  ``factor`` is the shape of a member's factor, ``arrays`` those of its decomposition's
+  arrays (`assignment.decomposition_shapes`); ``sides`` lists the sides ``(i, j)`` (stack
+  ``i``'s ``A`` or ``G``) whose members it holds, in order; ``at`` each member's offset of its
+  factor in the factor buffer and of each of its arrays in the decomposition buffer.
+  """
+
+  method: str
+  diagonal: bool
+  factor: tuple[int, ...]
+  arrays: tuple[tuple[int, ...], ...]
+  sides: list[tuple[int, int]]
+  at: list[tuple[int, ...]]
+
+
+def _loops(plan: Plan, stacks: Sequence[Sequence[int]]) -> list[_Loop]:
+  """The loops of `_decompose_in_place` for ``stacks``, with every member's offsets."""
+  loops: dict[tuple, _Loop] = {}
+  f_start = d_start = 0
+  for i, members in enumerate(stacks):
+    spec, t = plan.layers[members[0]]
+    k = len(members)
+    shapes = zip(
+      assignment.factor_shapes(spec, t), assignment.decomposition_shapes(spec, t), strict=True
+    )
+    for j, (f_shape, d_shapes) in enumerate(shapes):
+      key = (t.method, t.diagonal[j], f_shape, tuple(d_shapes))
+      loop = loops.setdefault(key, _Loop(*key, [], []))
+      loop.sides.append((i, j))
+      f_size, d_sizes = math.prod(f_shape), [math.prod(x) for x in d_shapes]
+      d_starts = d_start + np.cumsum([0] + [k * n for n in d_sizes[:-1]])
+      for m in range(k):
+        loop.at.append((f_start + m * f_size, *(int(s + m * n) for s, n in zip(d_starts, d_sizes))))
+      f_start += k * f_size
+      d_start += k * sum(d_sizes)
+  return list(loops.values())
+
+
+def _decompose_in_place(
+  plan: Plan,
+  stacks: Sequence[Sequence[int]],
+  new: Sequence[LayerFactors],
+  factors: Array,
+  previous: Array,
+  damping: Array,
+  comm: distribution.Collectives,
+) -> tuple[Array, Array]:
+  """On the CPU: every owned side decomposed member by member, written over ``previous``.
+
+  One `jax.lax.fori_loop` for each treatment and shape (`_loops`): each turn
+  reads one member's factor out of the flat factor buffer, decomposes it
+  (`preconditioning.decompose`) and writes its arrays into the flat
+  decomposition buffer, or keeps the member's last good decomposition if any of
+  them is not finite. Every read and write is at an offset from a table, so the
+  program holds a handful of kernels per loop whatever the number of members:
+  XLA's CPU backend compiles one kernel per distinct fused computation, and a
+  slice at a fixed offset is one of its own. Each matrix is decomposed alone,
+  as in the batched call.
+  """
+  shares = []
+  for members, f in zip(stacks, new, strict=True):
+    spec, t = plan.layers[members[0]]
+    shares.append(_inverse_damping(f, t, damping, layer_damping_form(spec, plan.damping_form)))
+  # The loops' carries are typed as they leave the branch (see `comm.vary`).
+  failures = comm.vary(jnp.zeros([], jnp.int32), over_group=True)
+  flat = comm.vary(previous, over_group=True)
+  for loop in _loops(plan, stacks):
+    # Each member's share of the damping, one per group (the eigen method ignores it).
+    groups = loop.factor[0]
+    share = jnp.concatenate(
+      [jnp.broadcast_to(shares[i][j], (len(stacks[i]), groups)) for i, j in loop.sides]
+    )
+    flat, failures = _decompose_members(loop, factors, previous, share, flat, failures)
+  return flat, failures
+
+
+def _decompose_members(
+  loop: _Loop, factors: Array, previous: Array, share: Array, flat: Array, failures: Array
+) -> tuple[Array, Array]:
+  """One loop of `_decompose_in_place`: ``flat`` (``previous`` as the loops write it) with each
+  member's arrays written in; ``share`` is each member's damping for the inverse method.
+  """
+  at = jnp.asarray(loop.at, jnp.int32)
+
+  def turn(m, carry):
+    flat, failed = carry
+    factor = jax.lax.dynamic_slice_in_dim(factors, at[m, 0], math.prod(loop.factor))
+    dec = preconditioning.decompose(
+      factor.reshape(loop.factor), loop.method, loop.diagonal, share[m]
+    )
+    arrays = stacking.decomposition_arrays(dec)
+    # Judged by the eigenvalues alone for ``eigh``, as in `_decompose_alike`.
+    ok = jnp.all(jnp.isfinite(arrays[0] if dec.values is None else dec.values))
+    for x, offset, shape in zip(arrays, at[m, 1:], loop.arrays, strict=True):
+      last = jax.lax.dynamic_slice_in_dim(previous, offset, math.prod(shape))
+      new = jnp.where(ok, x.reshape(-1).astype(flat.dtype), last)
+      flat = jax.lax.dynamic_update_slice_in_dim(flat, new, offset, 0)
+    return flat, failed + (~ok).astype(jnp.int32)
+
+  return jax.lax.fori_loop(0, len(loop.at), turn, (flat, failures))
+
+
 def decompose_factors(
   plan: Plan,
   state: KFACState,
@@ -276,7 +396,8 @@ def decompose_factors(
   """Phase 2: each device decomposes the factors it owns; its group receives them.
 
   The factors of one size and treatment that a device owns, whatever their
-  stacks, are decomposed by one batched call. A decomposition that is not
+  stacks, are decomposed by one batched call; on the CPU by one loop, member
+  by member in place in the flat buffers. A decomposition that is not
   finite (a failed ``eigh`` or Cholesky; for ``eigh``, its eigenvalues) keeps
   the factor's previous decomposition and is counted. The inverse method damps
   each factor here by its share of the damping of the plan's form

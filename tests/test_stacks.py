@@ -6,6 +6,8 @@ computed one by one (every layer its own stack) and, for the decompositions,
 against each factor decomposed alone.
 """
 
+import types
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -313,14 +315,27 @@ def test_a_member_whose_decomposition_fails_counts_alone_and_keeps_its_last(monk
   names = [kfac.plan.layers[i][0].name for i in members]
   _, state = jax.jit(step)(params, kfac.init(params))  # step 0 decomposes
   before = kaisa_jax.layer_decompositions(kfac.plan, state)
+  refresh = state._replace(refresh=jnp.asarray(True))
+  # The factors the next step decomposes: member 1's are told apart by their values, whether
+  # the stack is decomposed as one batch or member by member.
+  probe = jax.jit(step)(params, refresh)[1]
+  ones = [x[1] for x in stacking.factor_stacks(kfac.plan, probe.factors[0, 0], [members])[0]]
   real = preconditioning.decompose
 
   def member_one_fails(factor, *args):
-    return jax.tree.map(lambda v: v.at[1].set(jnp.nan), real(factor, *args))
+    matrices = factor.reshape(-1, *factor.shape[-2:])
+    bad = sum(
+      jnp.all(matrices == f[0], axis=(1, 2)) for f in ones if f.shape[1:] == matrices.shape[1:]
+    )
+
+    def fail(v):
+      return jnp.where(jnp.reshape(bad, (-1, *[1] * (v.ndim - 1))) > 0, jnp.nan, v)
+
+    return jax.tree.map(fail, real(factor, *args))
 
   monkeypatch.setattr(preconditioning, "decompose", member_one_fails)
   broken = jax.jit(lambda p, s: step(p, s))  # a new function: traced with the failing decompose
-  _, state = broken(params, state._replace(refresh=jnp.asarray(True)))
+  _, state = broken(params, refresh)
   assert int(state.failed_decompositions) == 2
   after = kaisa_jax.layer_decompositions(kfac.plan, state)
   jax.tree.map(np.testing.assert_array_equal, after[names[1]], before[names[1]])
@@ -443,3 +458,66 @@ def test_a_grouped_layer_whose_group_fails_keeps_all_its_groups_and_counts_once(
   after = kaisa_jax.layer_decompositions(kfac.plan, state)[name]
   jax.tree.map(np.testing.assert_array_equal, after.a, before.a)
   np.testing.assert_allclose(after.g.values, 2 * before.g.values, atol=1e-6)
+
+
+class _Mixed(nn.Module):
+  """A grouped convolution, a stack of three equal dense layers and a wide output layer."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Conv(8, (3, 3), feature_group_count=2)(x)).reshape(x.shape[0], -1)
+    x = nn.relu(nn.Dense(16)(x))
+    for _ in range(3):
+      x = nn.relu(nn.Dense(16)(x))
+    return nn.Dense(40)(x)
+
+
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_on_the_cpu_the_decompositions_in_place_are_the_batched_calls_bit_for_bit(
+  monkeypatch, method
+):
+  """The CPU decomposes member by member in place (`phases._decompose_in_place`); elsewhere one
+  batched call per size. Same factors, same buffer, failures included: member 1 of the stack has
+  a NaN in its ``A``."""
+  from kaisa_jax import phases
+
+  model = _Mixed()
+  x = jax.random.normal(jax.random.key(0), (6, 6, 6, 4))
+  y = jax.random.randint(jax.random.key(1), (6,), 0, 40)
+  params = model.init(jax.random.key(2), x)
+  grad_fn = kaisa_jax.value_and_grad(
+    lambda p, x, y: optax.softmax_cross_entropy_with_integer_labels(model.apply(p, x), y).mean()
+  )
+  kfac = kaisa_jax.kfac(
+    grad_fn.layers(params, x, y), lr=0.1, compute_method=method, max_cost_ratio=0.5
+  )
+  plan = kfac.plan
+  treatments = [t for _, t in plan.layers]
+  assert any(spec.groups == 2 for spec, _ in plan.layers)  # a grouped layer
+  assert any(any(t.diagonal) for t in treatments)  # a diagonal side
+  assert any(not all(t.diagonal) for t in treatments)  # a dense side
+  (stack,) = [s for s in plan.layout.all_stacks() if len(s) == 3]
+  _, grads, curvature = grad_fn(params, x, y)
+  _, state = jax.jit(lambda s: kfac.update(grads, s, params, curvature=curvature))(
+    kfac.init(params)
+  )
+  # Member 1's A at its place in the factor buffer, read off a buffer that holds its own offsets.
+  stacks = plan.layout.stacks(0, 0)
+  places = stacking.factor_stacks(plan, jnp.arange(state.factors.size), stacks)
+  offset = int(places[stacks.index(stack)].a[1].reshape(-1)[0])
+  spoilt = state.factors.reshape(-1).at[offset].set(jnp.nan)
+  state = state._replace(factors=spoilt.reshape(state.factors.shape))
+
+  def decomposed(on_cpu):
+    with monkeypatch.context() as m:  # the phase's choice only: `each_matrix` still loops
+      names = {k: v for k, v in vars(cpu_loop).items() if not k.startswith("__")}
+      m.setattr(phases, "cpu_loop", types.SimpleNamespace(**{**names, "on_cpu": on_cpu}))
+      out = jax.jit(
+        lambda s: phases.decompose_factors(plan, s, jnp.float32(1e-2), plan.collectives)
+      )(state)
+    return out.decompositions, out.failed_decompositions
+
+  in_place, failed = decomposed(lambda: True)
+  batched, failed_batched = decomposed(lambda: False)
+  assert int(failed) == int(failed_batched) == int(state.failed_decompositions) + 1
+  np.testing.assert_array_equal(in_place, batched)
