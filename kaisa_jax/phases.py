@@ -258,13 +258,14 @@ def _decompose_owned(
   """The branch of device ``(row, col)``: the buffer of its decompositions, and its failures.
 
   The sides of every stack it owns are decomposed by size and treatment: on
-  the CPU member by member in place in the flat buffers (`_decompose_in_place`),
-  elsewhere one batched call for all sides alike (`decomposition_batches`,
-  `_decompose_alike`).
+  the CPU member by member in place in the flat buffers (`_decompose_in_place`;
+  its offsets are int32, so buffers of fewer than 2^31 elements), elsewhere one
+  batched call for all sides alike (`decomposition_batches`, `_decompose_alike`).
   """
-  stacks = plan.layout.stacks(row, col)
+  layout = plan.layout
+  stacks = layout.stacks(row, col)
   new = stacking.factor_stacks(plan, factors[0, 0], stacks)
-  if cpu_loop.on_cpu():
+  if cpu_loop.on_cpu() and max(layout.factor_size, layout.decomposition_size) < 2**31:
     flat, failures = _decompose_in_place(
       plan, stacks, new, factors[0, 0], previous[0, col], damping, comm
     )
