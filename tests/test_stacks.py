@@ -18,7 +18,7 @@ from conftest import dense_stack
 from distributed_setup import relative_error, run
 
 import kaisa_jax
-from kaisa_jax import assignment, cost, cpu_loop, preconditioning, stacking
+from kaisa_jax import assignment, cost, cpu_loop, phases, preconditioning, stacking
 from kaisa_jax.layers import LayerSpec
 
 EIGEN = cost.Treatment("eigen")
@@ -479,8 +479,6 @@ def test_on_the_cpu_the_decompositions_in_place_are_the_batched_calls_bit_for_bi
   """The CPU decomposes member by member in place (`phases._decompose_in_place`); elsewhere one
   batched call per size. Same factors, same buffer, failures included: member 1 of the stack has
   a NaN in its ``A``."""
-  from kaisa_jax import phases
-
   model = _Mixed()
   x = jax.random.normal(jax.random.key(0), (6, 6, 6, 4))
   y = jax.random.randint(jax.random.key(1), (6,), 0, 40)
