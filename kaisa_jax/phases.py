@@ -30,7 +30,6 @@ import numpy as np
 
 from kaisa_jax import (
   assignment,
-  cost,
   cpu_loop,
   distribution,
   parameters,
@@ -133,9 +132,12 @@ def update_factors(
 
 
 def _inverse_damping(
-  f: LayerFactors, t: cost.Treatment, damping: Array, form: str
+  plan: Plan, members: Sequence[int], f: LayerFactors, damping: Array
 ) -> tuple[Array, Array]:
-  """What the inverse method adds to each of a stack's factors (the eigen method adds nothing here)."""
+  """What the inverse method adds to each of a stack's factors ``f`` (the eigen method adds
+  nothing here), by the stack's damping form (`layer_damping_form`)."""
+  spec, t = plan.layers[members[0]]
+  form = layer_damping_form(spec, plan.damping_form)
   if t.method == preconditioning.EIGEN or form == preconditioning.KAISA:
     return damping, damping
   means = [preconditioning.factor_mean(x, d) for x, d in zip(f, t.diagonal, strict=True)]
@@ -167,8 +169,8 @@ def _sides(
   """Each stack's sides (``A``, ``G``), with the inverse method's share of the damping."""
   out = []
   for members, f, last in zip(stacks, new, old, strict=True):
-    spec, t = plan.layers[members[0]]
-    shares = _inverse_damping(f, t, damping, layer_damping_form(spec, plan.damping_form))
+    t = plan.layers[members[0]][1]
+    shares = _inverse_damping(plan, members, f, damping)
     out.append(
       tuple(
         _Side(factor, t.method, diag, previous, share, len(members))
@@ -345,10 +347,7 @@ def _decompose_in_place(
   slice at a fixed offset is one of its own. Each matrix is decomposed alone,
   as in the batched call.
   """
-  shares = []
-  for members, f in zip(stacks, new, strict=True):
-    spec, t = plan.layers[members[0]]
-    shares.append(_inverse_damping(f, t, damping, layer_damping_form(spec, plan.damping_form)))
+  shares = [_inverse_damping(plan, m, f, damping) for m, f in zip(stacks, new, strict=True)]
   # The loops' carries are typed as they leave the branch (see `comm.vary`).
   failures = comm.vary(jnp.zeros([], jnp.int32), over_group=True)
   flat = comm.vary(previous, over_group=True)
