@@ -87,7 +87,9 @@ def train(
     tx = sgd
   else:
     layers = grad_fn.layers(params, x[:BATCH], y[:BATCH])
-    tx = optax.chain(kaisa_jax.kfac(layers, lr=lr, damping=damping, **cadence), sgd)
+    # The KL clip of the KAISA reference, the default when the study was run.
+    rule = {"step_norm": "natural", "kl_clip": 1e-3, "lr": lr}
+    tx = optax.chain(kaisa_jax.kfac(layers, damping=damping, **rule, **cadence), sgd)
 
   @jax.jit
   def step(params, state, xb, yb):

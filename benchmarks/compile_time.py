@@ -121,7 +121,6 @@ def steps(model: nn.Module, x, y):
       grad_fn.layers(params, x, y),
       factor_update_steps=CADENCE[0],
       inv_update_steps=CADENCE[1],
-      lr=0.01,
     )
   tx = optax.chain(kfac, optax.sgd(0.01, momentum=0.9))
 

@@ -102,7 +102,6 @@ def setup(name: str, fraction: str):
     mesh=mesh,
     factor_update_steps=FACTOR_STEPS,
     inv_update_steps=INV_STEPS,
-    lr=0.1,
   )
   tx = optax.chain(kfac, optax.sgd(0.1, momentum=0.9))
   params = jax.device_put(params, NamedSharding(mesh, P()))

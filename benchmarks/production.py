@@ -230,7 +230,7 @@ def kfac_step(
   grads = grad_fn(s)
   layers = grads.layers(s.params, s.state, s.batch)
   kfac = kaisa_jax.kfac(
-    layers, lr=lr, factor_update_steps=cadence[0], inv_update_steps=cadence[1], **kfac_args
+    layers, factor_update_steps=cadence[0], inv_update_steps=cadence[1], **kfac_args
   )
   tx = optax.chain(kfac, optax.sgd(lr, momentum=0.9))
 

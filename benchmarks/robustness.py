@@ -60,7 +60,6 @@ for some forms, keeping the tuned baselines: ``--forms pi relative --dampings 1
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import sys
@@ -88,6 +87,9 @@ DAMPINGS = (1e-4, 1e-3, 1e-2, 1e-1)
 FORMS = ("relative", "pi", "kaisa")
 LEARNING_RATES = {"sgd": (0.01, 0.03, 0.1, 0.3), "adamw": (3e-4, 1e-3, 3e-3, 1e-2)}
 MAX_EXTENSIONS = 3
+# The step rule the forms were compared under at the baseline's rate (step 2): the KAISA
+# reference's KL clip, the default when they were trained.
+FORMS_STEP = {"step_norm": "natural", "kl_clip": 1e-3}
 
 
 def curvature_summary(stats: kaisa_jax.CurvatureStatistics) -> dict[str, float]:
@@ -164,13 +166,13 @@ def tune_kfac(problem: suite.Problem, seeds: int, log) -> dict[str, Any]:
     if repr(d) not in dampings:
       dampings[repr(d)] = train_seeds(run, problem, seeds, lr, d)[0]
       log(f"  kfac (defaults) lr={lr:g} damping={d:g}: {mean(dampings[repr(d)]):.4g}")
-  return {"by_lr": by_lr, "lr": lr, "dampings": dampings}
+  return {"by_lr": by_lr, "lr": lr, "dampings": dampings, "machine": machine()}
 
 
 def tune_clip(problem: suite.Problem, seeds: int, log, kl_clip: float | None) -> dict[str, Any]:
   """K-FAC at its defaults but for ``kl_clip``: final losses per learning rate, the rate tuned by
   the baseline's rule (`tune_lr`)."""
-  run = suite.make_run(problem, {"kl_clip": kl_clip})
+  run = suite.make_run(problem, {"step_norm": "natural", "kl_clip": kl_clip})
   label = f"kfac (defaults, kl_clip={kl_clip})"
   return tune_lr(run, problem, seeds, log, label, preconditioning.DEFAULT_DAMPING)
 
@@ -193,7 +195,7 @@ def run_problem(
     out |= {"optimizer": problem.optimizer, "lr": best_lr(out["baseline"])}
   log(f"  tuned {problem.optimizer} lr={out['lr']}: {mean(out['baseline'][repr(out['lr'])]):.4g}")
   for form in forms:
-    run = suite.make_run(problem, {"damping_form": form})
+    run = suite.make_run(problem, {"damping_form": form, **FORMS_STEP})
     for damping in dampings:
       key = repr(damping)
       losses, curvature = train_seeds(run, problem, seeds, out["lr"], damping)
@@ -320,14 +322,15 @@ def _with_range(losses: list[float]) -> str:
   return f"{mean(losses):.3g} ({min(losses):.3g} to {max(losses):.3g})"
 
 
-def tuned_rows(results: dict[str, Any]) -> dict[str, dict[str, float]]:
-  """Per problem with K-FAC tuned (`tune_kfac`): K-FAC's final loss at each of `DAMPINGS` over the
-  baseline's (``ratios``), at its default damping (``ratio``), and the worst over the best final
-  loss across `DAMPINGS` (``spread``)."""
+def tuned_rows(results: dict[str, Any], key: str = "tuned") -> dict[str, dict[str, float]]:
+  """Per problem with K-FAC tuned (`tune_kfac`; ``key``: its runs, ``"tuned_kl_clip"`` those at the
+  KL clip's former defaults): K-FAC's final loss at each of `DAMPINGS` over the baseline's
+  (``ratios``), at its default damping (``ratio``), and the worst over the best final loss across
+  `DAMPINGS` (``spread``)."""
   rows = {}
   for name, r in results["problems"].items():
-    if "tuned" in r:
-      t = r["tuned"]
+    if key in r:
+      t = r[key]
       base = mean(r["baseline"][repr(r["lr"])])
       finals = [mean(t["dampings"][repr(d)]) for d in DAMPINGS]
       default = mean(t["dampings"][repr(preconditioning.DEFAULT_DAMPING)])
@@ -367,15 +370,17 @@ def _verdict(rows: dict[str, dict[str, float]], key: str, bound: float) -> str:
   misses = {name: row[key] for name, row in rows.items() if not row[key] <= bound}
   text = f"met on {len(rows) - len(misses)} of {len(rows)}"
   if misses:
-    text += "; missed on " + ", ".join(f"{n} ({_ratio(x)}x)" for n, x in misses.items())
+    # Three digits: a miss by 2 % must not read as the bound itself.
+    text += "; missed on " + ", ".join(f"{n} ({x:.3g}x)" for n, x in misses.items())
   return text
 
 
-def targets(results: dict[str, Any]) -> str:
-  """Which problems meet each target, from K-FAC at its own tuned rate."""
-  rows = tuned_rows(results)
+def targets(results: dict[str, Any], key: str = "tuned") -> str:
+  """Which problems meet each target, from K-FAC at its own tuned rate (``results[key]``)."""
+  rows = tuned_rows(results, key)
   return (
-    "- Target 1, K-FAC at its defaults (only `lr` chosen, on the baseline's grid) at or below the "
+    "- Target 1, K-FAC at its defaults (only the learning rate chosen, on the baseline's grid) at "
+    "or below the "
     f"tuned baseline's final loss: {_verdict(rows, 'ratio', 1.0)}.\n"
     "- Target 2, at that rate, every damping from 1e-4 to 1e-1 within 2x of the best one's "
     f"final loss: {_verdict(rows, 'spread', 2.0)}."
@@ -391,21 +396,29 @@ def _tuned_ratio(by_lr: dict[str, list[float]] | None, base: float) -> str:
 
 
 def clip_table(results: dict[str, Any]) -> str:
-  """K-FAC at its defaults but for the KL clip (`tune_clip`), each clip at its own tuned rate,
-  over the tuned baseline; the default clip's column is `tune_kfac`'s runs."""
-  measured = {name: r for name, r in results["problems"].items() if "kl_clip" in r and "tuned" in r}
+  """K-FAC at its defaults (`tune_kfac`, the gradient's norm), and with K-FAC's own step
+  (``step_norm="natural"``) under each KL clip (the KAISA reference's 1e-3: ``tuned_kl_clip``, the
+  former default's runs; others: `tune_clip`), each at its own tuned rate, over the tuned
+  baseline."""
+  measured = {
+    name: r
+    for name, r in results["problems"].items()
+    if "kl_clip" in r and "tuned" in r and "tuned_kl_clip" in r
+  }
   keys = {k for r in measured.values() for k in r["kl_clip"]}
   clips = sorted(keys, key=lambda k: (k == "None", 0.0 if k == "None" else float(k)))
-  default = repr(inspect.signature(kaisa_jax.kfac).parameters["kl_clip"].default)
   lines = [
-    f"| model | baseline: lr, final loss | kl_clip {default} (default) | "
-    + " | ".join(f"kl_clip {k}" for k in clips)
+    "| model | baseline: lr, final loss | gradient's norm (default) | natural, kl_clip 0.001 "
+    "(KAISA) | "
+    + " | ".join("natural, no clip" if k == "None" else f"natural, kl_clip {k}" for k in clips)
     + " |",
-    "|---|---|---:|" + "---:|" * len(clips),
+    "|---|---|---:|---:|" + "---:|" * len(clips),
   ]
   for name, r in measured.items():
     base = mean(r["baseline"][repr(r["lr"])])
-    cells = [r["tuned"]["by_lr"]] + [r["kl_clip"].get(k) for k in clips]
+    cells = [r["tuned"]["by_lr"], r["tuned_kl_clip"]["by_lr"]] + [
+      r["kl_clip"].get(k) for k in clips
+    ]
     lines.append(
       f"| {name} | {r['optimizer']} {r['lr']:g}, {base:.3g} | "
       + " | ".join(_tuned_ratio(c, base) for c in cells)
@@ -414,18 +427,27 @@ def clip_table(results: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
-def _median_ratio(r: dict[str, Any]) -> float:
-  """K-FAC at its defaults over the tuned baseline, each the median of its seeds' final losses."""
-  kfac = r["tuned"]["dampings"][repr(preconditioning.DEFAULT_DAMPING)]
+def _median_ratio(r: dict[str, Any], key: str) -> float:
+  """K-FAC tuned (``r[key]``) over the tuned baseline, each the median of its seeds' final losses."""
+  kfac = r[key]["dampings"][repr(preconditioning.DEFAULT_DAMPING)]
   return float(np.median(kfac) / np.median(r["baseline"][repr(r["lr"])]))
+
+
+def rerun_key(rerun: dict[str, Any]) -> str:
+  """Which tuning the rerun holds: K-FAC at today's defaults (``"tuned"``) where it trained them on
+  every problem, else at the KL clip's former ones (``"tuned_kl_clip"``)."""
+  problems = rerun["problems"].values()
+  return "tuned" if problems and all("tuned" in r for r in problems) else "tuned_kl_clip"
 
 
 def rerun_table(results: dict[str, Any], rerun: dict[str, Any]) -> str:
   """K-FAC at its defaults against the tuned baseline, as ``results`` and ``rerun`` (the same
   code and seeds on another CPU) measured it: the rates each tuned, the ratio of the seeds' mean
   final losses (the targets') and of their medians, which one seed's spike does not move, and
-  the spread over the dampings; then the targets as read from ``rerun``."""
-  first, second = tuned_rows(results), tuned_rows(rerun)
+  the spread over the dampings; then the targets as read from ``rerun``. Compares the runs of
+  `rerun_key`."""
+  key = rerun_key(rerun)
+  first, second = tuned_rows(results, key), tuned_rows(rerun, key)
   lines = [
     "| model | baseline lr | K-FAC lr | ratio | ratio of the medians | worst over best |",
     "|---|---|---|---|---|---|",
@@ -433,9 +455,9 @@ def rerun_table(results: dict[str, Any], rerun: dict[str, Any]) -> str:
   for name in (n for n in first if n in second):
     a, b = results["problems"][name], rerun["problems"][name]
     lines.append(
-      f"| {name} | {a['lr']:g}, {b['lr']:g} | {a['tuned']['lr']:g}, {b['tuned']['lr']:g} "
+      f"| {name} | {a['lr']:g}, {b['lr']:g} | {a[key]['lr']:g}, {b[key]['lr']:g} "
       f"| {_ratio(first[name]['ratio'])}, {_ratio(second[name]['ratio'])} "
-      f"| {_ratio(_median_ratio(a))}, {_ratio(_median_ratio(b))} "
+      f"| {_ratio(_median_ratio(a, key))}, {_ratio(_median_ratio(b, key))} "
       f"| {_ratio(first[name]['spread'])}, {_ratio(second[name]['spread'])} |"
     )
   return (
@@ -443,7 +465,7 @@ def rerun_table(results: dict[str, Any], rerun: dict[str, Any]) -> str:
     + "\n\n"
     + _agreement(results, rerun)
     + " Read from the second run:\n\n"
-    + targets(rerun)
+    + targets(rerun, key)
     + "\n- Target 1 by the ratio of the seeds' medians, in both runs: "
     + _median_verdict(results, rerun)
     + "."
@@ -455,21 +477,20 @@ def run_pairs(results: dict[str, Any], rerun: dict[str, Any]) -> list[tuple[floa
   of the baseline and of K-FAC at its defaults, and of each damping where both tuned K-FAC to the
   same rate."""
   pairs = []
+  key = rerun_key(rerun)
   for name, a in results["problems"].items():
     b = rerun["problems"].get(name)
-    if b is None or "tuned" not in a or "tuned" not in b:
+    if b is None or key not in a or key not in b:
       continue
-    groups = [(a["baseline"], b["baseline"]), (a["tuned"]["by_lr"], b["tuned"]["by_lr"])]
-    if a["tuned"]["lr"] == b["tuned"]["lr"]:  # the default's runs are by_lr's: not twice
+    groups = [(a["baseline"], b["baseline"]), (a[key]["by_lr"], b[key]["by_lr"])]
+    if a[key]["lr"] == b[key]["lr"]:  # the default's runs are by_lr's: not twice
       default = repr(preconditioning.DEFAULT_DAMPING)
       groups.append(
-        tuple(
-          {k: v for k, v in t["dampings"].items() if k != default} for t in (a["tuned"], b["tuned"])
-        )
+        tuple({k: v for k, v in t["dampings"].items() if k != default} for t in (a[key], b[key]))
       )
     for x, y in groups:
-      for key in x.keys() & y.keys():
-        pairs += zip(x[key], y[key], strict=True)
+      for run in x.keys() & y.keys():
+        pairs += zip(x[run], y[run], strict=True)
   return pairs
 
 
@@ -496,17 +517,19 @@ def _agreement(results: dict[str, Any], rerun: dict[str, Any]) -> str:
 def _median_verdict(results: dict[str, Any], rerun: dict[str, Any]) -> str:
   """Target 1 read from `_median_ratio` in both runs: where both meet it, where both miss it,
   where they disagree."""
-  second = tuned_rows(rerun)
-  both = [n for n in tuned_rows(results) if n in second]
+  key = rerun_key(rerun)
+  second = tuned_rows(rerun, key)
+  both = [n for n in tuned_rows(results, key) if n in second]
   pairs = {
-    n: (_median_ratio(results["problems"][n]), _median_ratio(rerun["problems"][n])) for n in both
+    n: (_median_ratio(results["problems"][n], key), _median_ratio(rerun["problems"][n], key))
+    for n in both
   }
   met = [n for n, (a, b) in pairs.items() if a <= 1.0 and b <= 1.0]
   missed = [n for n, (a, b) in pairs.items() if a > 1.0 and b > 1.0]
   split = [n for n in both if n not in met and n not in missed]
 
   def named(names: list[str]) -> str:
-    return ", ".join(f"{n} ({_ratio(pairs[n][0])}x, {_ratio(pairs[n][1])}x)" for n in names)
+    return ", ".join(f"{n} ({pairs[n][0]:.3g}x, {pairs[n][1]:.3g}x)" for n in names)
 
   text = f"met on {len(met)} of {len(both)}"
   if missed:
@@ -516,6 +539,15 @@ def _median_verdict(results: dict[str, Any], rerun: dict[str, Any]) -> str:
   return text
 
 
+def _rerun_subject(rerun: dict[str, Any]) -> str:
+  if rerun_key(rerun) == "tuned":
+    return "K-FAC at its defaults"
+  return (
+    "K-FAC at the former defaults (the KAISA reference's KL clip, "
+    f"{', '.join(f'`{k}={v!r}`' for k, v in FORMS_STEP.items())})"
+  )
+
+
 def _machines(results: dict[str, Any], rerun: dict[str, Any]) -> str:
   return (
     f"first run: {results.get('machine', 'CPU not recorded')}; "
@@ -523,14 +555,44 @@ def _machines(results: dict[str, Any], rerun: dict[str, Any]) -> str:
   )
 
 
+def same_cpu(results: dict[str, Any], rerun: dict[str, Any]) -> str:
+  """Where ``results``' K-FAC runs were trained on ``rerun``'s CPU but its baselines were not:
+  target 1 against the rerun's baselines, by the seeds' means and medians (empty otherwise)."""
+  cpu = rerun.get("machine")
+  problems = {
+    n: r
+    for n, r in results["problems"].items()
+    if "tuned" in r and n in rerun["problems"] and "baseline" in rerun["problems"][n]
+  }
+  if not problems or results.get("machine") == cpu:
+    return ""
+  if any(r["tuned"].get("machine") != cpu for r in problems.values()):
+    return ""
+  default = repr(preconditioning.DEFAULT_DAMPING)
+  means, medians = {}, {}
+  for n, r in problems.items():
+    b = rerun["problems"][n]
+    kfac, base = r["tuned"]["dampings"][default], b["baseline"][repr(b["lr"])]
+    means[n] = {"ratio": mean(kfac) / mean(base)}
+    medians[n] = {"ratio": float(np.median(kfac) / np.median(base))}
+  return (
+    f"- K-FAC's runs above were trained on {cpu}, the baselines on the first run's CPU; against "
+    "the baselines trained again on the same CPU as K-FAC (the rerun's), target 1 is "
+    f"{_verdict(means, 'ratio', 1.0)}; by the ratio of the seeds' medians, "
+    f"{_verdict(medians, 'ratio', 1.0)}."
+  )
+
+
 def readme(results: dict[str, Any], rerun: dict[str, Any] | None = None) -> str:
   """K-FAC at its defaults against each tuned baseline, and the targets (README's block); with
   ``rerun``, the targets as read from it."""
   text = tuned_table(results) + "\n\n" + targets(results)
+  if rerun is not None and same_cpu(results, rerun):
+    text += "\n" + same_cpu(results, rerun)
   if rerun is not None:
-    rows = tuned_rows(rerun)
+    rows = tuned_rows(rerun, rerun_key(rerun))
     text += (
-      "\n- Trained again on another CPU, same code and seeds: target 1 "
+      f"\n- {_rerun_subject(rerun)}, trained again on another CPU, same code and seeds: target 1 "
       f"{_verdict(rows, 'ratio', 1.0)}; target 2 {_verdict(rows, 'spread', 2.0)}. Target 1 by "
       f"the ratio of the seeds' medians, in both runs: {_median_verdict(results, rerun)}."
     )
@@ -578,31 +640,37 @@ def report(results: dict[str, Any], rerun: dict[str, Any] | None = None) -> str:
   tuned = tuned_rows(results)
   if tuned:
     parts += [
-      "K-FAC at its defaults (damping form "
+      "K-FAC at its defaults (step norm the gradient's, damping form "
       f"`{preconditioning.DEFAULT_FORM}`, damping {preconditioning.DEFAULT_DAMPING:g}), its "
       "learning rate tuned on the baseline's grid by the same rule; ratio: its final loss over the "
       "baseline's; then each damping at that rate, over the baseline's:",
       tuned_table(results),
-      targets(results),
+      targets(results)
+      + ("\n" + same_cpu(results, rerun) if rerun is not None and same_cpu(results, rerun) else ""),
     ]
   if tuned and rerun is not None:
     parts += [
-      "The same comparison trained again, same code and seeds, on another CPU "
-      f"({_machines(results, rerun)}); each cell: the first run's, then the second's:",
+      f"{_rerun_subject(rerun)}, the same comparison trained again, same code and seeds, on "
+      f"another CPU ({_machines(results, rerun)}); each cell: the first run's, then the second's:",
       rerun_table(results, rerun),
     ]
   if any("kl_clip" in r for r in results["problems"].values()):
     parts += [
-      "K-FAC at its defaults but for the KL clip (`kl_clip`; `None`: no clip), each clip's "
-      "learning rate tuned by the same rule; each cell its final loss over the baseline's, and "
-      "its rate:",
+      'K-FAC at its defaults, then with K-FAC\'s own step length (`step_norm="natural"`) '
+      "under each KL clip (`kl_clip`; 1e-3 the KAISA reference's, this library's default before "
+      "the gradient's norm), each learning rate tuned by the same rule; each cell its final loss "
+      "over the baseline's, and its rate:",
       clip_table(results),
     ]
   forms = measured_forms(results)
   if not forms:  # a rerun (``--forms``): K-FAC at its own rate only
     return "\n\n".join(parts)
   if tuned:
-    parts += ["The tables below run K-FAC at the baseline's learning rate."]
+    parts += [
+      "The tables below run K-FAC at the baseline's learning rate, with the KAISA reference's "
+      f"step rule ({', '.join(f'`{k}={v!r}`' for k, v in FORMS_STEP.items())}), the default "
+      "when the forms were compared."
+    ]
   for form in forms:
     parts += [f"Damping form `{form}`:", form_table(results, form)]
   parts += [
@@ -721,7 +789,10 @@ def main(argv: list[str] | None = None) -> None:
         previous,
       )
       results |= {"steps": STEPS, "tail": suite.TAIL, "seeds": args.seeds, "jax": jax.__version__}
-      results["machine"] = machine()
+      if (
+        not args.reuse_baseline
+      ):  # else the baselines' machine stays named (each `tuned` names its own)
+        results["machine"] = machine()
       save(results, args.out)
   rerun = (
     load(args.rerun) if args.rerun.exists() and args.rerun.resolve() != args.out.resolve() else None

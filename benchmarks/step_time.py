@@ -192,9 +192,7 @@ def bench_model(name: str, blocks: int) -> dict[str, Any]:
   steps = {"sgd": (jax.jit(sgd_step), sgd_state)}
   kfacs = {}
   for cadence in CADENCES:
-    kfac = kaisa_jax.kfac(
-      layers, factor_update_steps=cadence[0], inv_update_steps=cadence[1], lr=0.01
-    )
+    kfac = kaisa_jax.kfac(layers, factor_update_steps=cadence[0], inv_update_steps=cadence[1])
     tx = optax.chain(kfac, optax.sgd(0.01, momentum=0.9))
 
     def kfac_step(params, opt_state, x, y, tx=tx):

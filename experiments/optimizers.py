@@ -87,7 +87,9 @@ class Optimizer:
   def config(self) -> dict[str, Any]:
     """The settings as a flat dict (recorded with every result)."""
     extra = {"weight_decay": WEIGHT_DECAY} if self.name.endswith("adamw") else {}
-    kfac = kfac_arguments(self.kfac) if is_kfac(self.name) else {}
+    # The step rule (`STEP_RULE`) is left out: every experiment runs with it, and the runs
+    # recorded before it was named (which ``--resume`` matches by their config) hold none.
+    kfac = {"damping_form": DAMPING_FORM, **self.kfac} if is_kfac(self.name) else {}
     stabilisers = {"warmup": self.warmup, "clip": self.clip}
     return {"optimizer": self.name, "lr": self.lr, **extra, **stabilisers, **kfac}
 
@@ -120,9 +122,15 @@ def from_settings(name: str, settings: dict[str, Any]) -> Optimizer:
 DAMPING_FORM = "kaisa"
 
 
+# The step rule the experiments were tuned and run with: K-FAC's own step under the KAISA
+# reference's KL clip (the library's default until it gave the step the gradient's norm).
+STEP_RULE = {"step_norm": "natural", "kl_clip": 1e-3}
+
+
 def kfac_arguments(settings: dict[str, Any]) -> dict[str, Any]:
-  """`kaisa_jax.kfac`'s keyword arguments for a K-FAC setting: `DAMPING_FORM` unless it names one."""
-  return {"damping_form": DAMPING_FORM, **settings}
+  """`kaisa_jax.kfac`'s keyword arguments for a K-FAC setting: `DAMPING_FORM` and `STEP_RULE`
+  unless it names others."""
+  return {"damping_form": DAMPING_FORM, **STEP_RULE, **settings}
 
 
 # Learning rates (and K-FAC damping) from the MNIST-1D sweep (docs/benchmarks/experiments.md).

@@ -251,7 +251,8 @@ def make_run(problem: Problem, kfac: dict[str, Any] | None):
   initialisation change without compiling again. With ``kfac`` (arguments of
   `kaisa_jax.kfac` besides ``layers``, ``lr`` and ``damping``; ``{}`` for the
   defaults) K-FAC is chained before the problem's first-order optimizer, with
-  ``damping`` if given; ``kfac=None`` trains with that optimizer alone.
+  ``damping`` if given (and ``lr``, if ``kfac`` sets a KL clip); ``kfac=None``
+  trains with that optimizer alone.
   Returns the loss of every step and, for K-FAC, its curvature statistics
   after the last step (`kaisa_jax.curvature_statistics`; ``None`` without K-FAC).
   """
@@ -267,7 +268,9 @@ def make_run(problem: Problem, kfac: dict[str, Any] | None):
   def run(params, state, order, lr, damping=None):
     tx = first_order(problem.optimizer, lr)
     if layers is not None:
-      args = {**kfac, "lr": lr} | ({} if damping is None else {"damping": damping})
+      args = {**kfac} | ({} if damping is None else {"damping": damping})
+      if kfac.get("kl_clip") is not None:
+        args["lr"] = lr  # read only by the KL clip
       with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # modules passed through are listed by print(layers)
         preconditioner = kaisa_jax.kfac(layers, **args)

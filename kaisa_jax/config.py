@@ -60,6 +60,7 @@ class Config:
   factor_decay: hp.ScalarOrSchedule
   factor_update_steps: hp.IntOrSchedule
   inv_update_steps: hp.IntOrSchedule
+  step_norm: str
   kl_clip: hp.ScalarOrSchedule | None
   lr: hp.ScalarOrSchedule | None
   weight_sharing: str
@@ -68,6 +69,25 @@ class Config:
   axis_name: str | None
   axis_size: int | None
   settings: Settings
+
+
+def _check_step_norm(step_norm: str, kl_clip: Any, lr: Any) -> None:
+  """The KL clip bounds K-FAC's own step and needs ``lr``; nothing else reads ``lr``."""
+  if step_norm == preconditioning.GRADIENT and kl_clip is not None:
+    raise ValueError(
+      "kl_clip bounds K-FAC's own step, but step_norm='gradient' (the default) gives every step "
+      "the gradient's norm already: pass step_norm='natural' with kl_clip= and lr= (the KAISA "
+      "reference's rule), or drop kl_clip"
+    )
+  if kl_clip is not None and lr is None:
+    raise ValueError(
+      "kl_clip needs the learning rate: pass lr= (the chained optimizer's), or kl_clip=None"
+    )
+  if kl_clip is None and lr is not None:
+    raise ValueError(
+      "lr is read only by the KL clip, and no kl_clip is set: drop lr= (the chained "
+      "optimizer's rate alone sets the step), or pass step_norm='natural' with kl_clip="
+    )
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -143,6 +163,7 @@ def check(
   factor_decay: hp.ScalarOrSchedule,
   factor_update_steps: hp.IntOrSchedule,
   inv_update_steps: hp.IntOrSchedule,
+  step_norm: str,
   kl_clip: hp.ScalarOrSchedule | None,
   lr: hp.ScalarOrSchedule | None,
   compute_method: str,
@@ -157,9 +178,10 @@ def check(
 ) -> Config:
   """Checks `kaisa_jax.kfac`'s arguments (as documented there) but the layers.
 
-  ``damping > 0``, ``0 <= factor_decay < 1``, ``kl_clip > 0`` (it needs
-  ``lr``), ``lr >= 0``, numbers or schedules (checked at step 0); the plan's
-  settings as `check_settings` checks them; the choices among their options.
+  ``damping > 0``, ``0 <= factor_decay < 1``, ``kl_clip > 0`` (only with
+  ``step_norm="natural"``; it needs ``lr``, which nothing else reads),
+  ``lr >= 0``, numbers or schedules (checked at step 0); the plan's settings
+  as `check_settings` checks them; the choices among their options.
   The mesh and the grid's size are checked when the collectives are made
   (`kaisa_jax.plan.collectives_for`).
   """
@@ -180,12 +202,10 @@ def check(
   )
   if kl_clip is not None:
     hp.check_scalar("kl_clip", kl_clip, 0.0, open_low=True)
-    if lr is None:
-      raise ValueError(
-        "kl_clip needs the learning rate: pass lr= (the chained optimizer's), or kl_clip=None"
-      )
   if lr is not None:  # 0 too (a warmup's first step): the chained optimizer then moves nothing
     hp.check_scalar("lr", lr, 0.0)
+  _check_choice("step_norm", step_norm, preconditioning.STEP_NORMS)
+  _check_step_norm(step_norm, kl_clip, lr)
   _check_choice("damping_form", damping_form, preconditioning.DAMPING_FORMS)
   _check_choice("weight_sharing", weight_sharing, factors_lib.WEIGHT_SHARING)
   return Config(
@@ -194,6 +214,7 @@ def check(
     factor_decay,
     factor_update_steps,
     inv_update_steps,
+    step_norm,
     kl_clip,
     lr,
     weight_sharing,

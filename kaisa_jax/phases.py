@@ -8,8 +8,9 @@ Each phase computes a stack as one batch (`kaisa_jax.stacking`); on the CPU,
 2. `decompose_factors`: each device decomposes the factors it owns
    (`kaisa_jax.preconditioning`); its grad-worker group receives them;
 3. `precondition_grads`: ``P = (A (x) G + damping)^-1 V`` for every layer, each
-   group its own layers, shared with the other groups; with ``sum <P, V>``;
-4. `kl_scale`: the KL clip's ``nu = min(1, sqrt(kl_clip / |lr^2 sum <P, V>|))``;
+   group its own layers, shared with the other groups; with their `Sums`;
+4. `step_scale`: ``nu``, by which the step takes the gradient's norm, or the
+   KL clip's ``nu = min(1, sqrt(kl_clip / |lr^2 sum <P, V>|))``;
 5. `write_back`: ``nu P`` written over each layer's update.
 
 Each device runs the branch of its own place on the grid (`jax.lax.switch`
@@ -500,19 +501,37 @@ def _received(plan: Plan, everyone: Array, matrices: Stacks) -> Stacks:
   return {tuple(m): stacking.select(received, m) for m in layout.all_stacks()}
 
 
-def _inner_product(preconditioned: Stacks, matrices: Stacks, dtype: Any) -> Array:
-  """``sum <P, V>`` over every layer, summed stack by stack.
+class Sums(NamedTuple):
+  """Sums over every preconditioned layer that the step's length is read from.
+
+  Attributes:
+    pv: ``sum <P, V>`` (the KL clip's).
+    pp: ``sum |P|^2``.
+    vv: ``sum |V|^2`` (``pp`` and ``vv``: the gradient-norm match's).
+  """
+
+  pv: Array
+  pp: Array
+  vv: Array
+
+
+def _sums(preconditioned: Stacks, matrices: Stacks, dtype: Any) -> Sums:
+  """`Sums` over every layer, summed stack by stack.
 
   Summed stack by stack over the stacks of all layers, whatever the layout: the
-  float32 sum, and so the KL clip, are then bit for bit the same for every grad
-  worker fraction. One reduction per stack: XLA copies the additions that
-  produce the clip into every parameter's update, so a sum layer by layer
-  would cost compile time and work quadratic in the depth.
+  float32 sums, and so the step's scale, are then bit for bit the same for every
+  grad worker fraction. One reduction per stack, of the three products stacked
+  (one kernel to compile per stack, as for one sum): XLA copies the additions
+  that produce the scale into every parameter's update, so a sum layer by layer
+  would cost compile time and work quadratic in the depth. A step that reads
+  none of the sums (``step_norm="natural"`` without a clip) computes none.
   """
-  vg_sum = jnp.zeros([], dtype)
+  total = jnp.zeros([3], dtype)
   for key, p in preconditioned.items():
-    vg_sum = vg_sum + jnp.sum(p * matrices[key])
-  return vg_sum
+    v = matrices[key]
+    products = jnp.stack([p * v, p * p, v * v]).reshape(3, -1)
+    total = total + jnp.sum(products, axis=1)
+  return Sums(*total)
 
 
 def precondition_grads(
@@ -523,8 +542,8 @@ def precondition_grads(
   dtype: Any,
   comm: distribution.Collectives,
   offsets: Sequence[Array],
-) -> tuple[Stacks, Array]:
-  """Phase 3: the preconditioned gradient matrices, stack by stack, and ``sum <P, V>``.
+) -> tuple[Stacks, Sums]:
+  """Phase 3: the preconditioned gradient matrices, stack by stack, and their `Sums`.
 
   Returns ``P`` per stack of `assignment.Layout.all_stacks` (keyed by its
   members, ``(k, groups, a_dim, g_dim)``) and the sum. Each group
@@ -543,29 +562,35 @@ def precondition_grads(
   with jax.named_scope(GRADIENT_SHARING):
     everyone = comm.gather_receivers(mine)
   preconditioned = _received(plan, everyone, matrices)
-  return preconditioned, _inner_product(preconditioned, matrices, dtype)
+  return preconditioned, _sums(preconditioned, matrices, dtype)
 
 
-# ------------------------------------------------------- 4. KL clip, 5. write-back
+# ---------------------------------------------------- 4. step scale, 5. write-back
 
 
-def kl_scale(
+def step_scale(
   in_order: Array,
-  vg_sum: Array,
+  sums: Sums,
+  step_norm: str,
   kl_clip: hp.ScalarOrSchedule | None,
   lr: hp.ScalarOrSchedule | None,
   step: Array,
   dtype: Any,
 ) -> Array:
-  """Phase 4: ``nu = min(1, sqrt(kl_clip / |lr^2 sum <P, V>|))`` times ``in_order``; no clip, ``in_order``.
+  """Phase 4: the scale ``nu`` of the preconditioned updates, times ``in_order``.
 
-  ``in_order`` is the chain check's exact 1 (`kaisa_jax.chain_order`): the
-  product leaves every bit of ``nu`` as it was.
+  ``step_norm="gradient"``: ``nu = sqrt(sum |V|^2 / sum |P|^2)``; ``"natural"``:
+  the KL clip's ``nu = min(1, sqrt(kl_clip / |lr^2 sum <P, V>|))``, or 1
+  without a clip (`kaisa_jax.preconditioning`). ``in_order`` is the chain
+  check's exact 1 (`kaisa_jax.chain_order`): the product leaves every bit of
+  ``nu`` as it was.
   """
+  if step_norm == preconditioning.GRADIENT:
+    return in_order * preconditioning.gradient_norm_scale(sums.pp, sums.vv)
   if kl_clip is None:
     return in_order
   return in_order * preconditioning.kl_clip_scale(
-    vg_sum, hp.at(kl_clip, step, dtype), hp.at(lr, step, dtype)
+    sums.pv, hp.at(kl_clip, step, dtype), hp.at(lr, step, dtype)
   )
 
 

@@ -39,9 +39,10 @@ class KFACState(NamedTuple):
       were not finite (NaN or Inf in the activations or output gradients).
     failed_decompositions: decompositions of one factor that failed or came
       back not finite; each kept that factor's last good decomposition.
-    kl_scale: the KL clip's scale ``nu`` of the last step (1 at init, and at
-      every step without ``kl_clip``); `kaisa_jax.curvature_statistics`
-      reports it.
+    kl_scale: the scale ``nu`` of the last step's preconditioned updates
+      (`kaisa_jax.preconditioning`: the gradient-norm match's, or the KL
+      clip's; 1 at init, and with ``step_norm="natural"`` and no clip);
+      `kaisa_jax.curvature_statistics` reports it.
     refresh: decompose at the next step whatever the cadence (set when a
       checkpoint is restored with another treatment of some layer).
     stack_offsets: ``0, 1, ..., K - 1`` (int32 scalars, ``K`` the size of the

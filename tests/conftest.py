@@ -43,7 +43,7 @@ EXACT = dict(
   factor_decay=0.0,
   factor_update_steps=1,
   inv_update_steps=1,
-  kl_clip=None,
+  step_norm="natural",
   max_cost_ratio=None,
 )
 
@@ -89,7 +89,7 @@ def dense_stack(depth: int = 16):
   x = jax.random.normal(jax.random.key(3), (4, 8))
   params = model.init(jax.random.key(0), x)
   grad_fn = kaisa_jax.value_and_grad(lambda p, x: jnp.mean(model.apply(p, x) ** 2))
-  return kaisa_jax.kfac(grad_fn.layers(params, x), kl_clip=None), params, grad_fn, x
+  return kaisa_jax.kfac(grad_fn.layers(params, x), step_norm="natural"), params, grad_fn, x
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from kaisa_jax import GRAD_WORKERS, RECEIVERS
 
 BATCH = 16
 BATCH_SPEC = P((RECEIVERS, GRAD_WORKERS))
-KFAC = dict(factor_update_steps=1, inv_update_steps=3, lr=0.1, kl_clip=1e-2, max_cost_ratio=None)
+KFAC = dict(factor_update_steps=1, inv_update_steps=3, max_cost_ratio=None)
 
 
 class MLP(nn.Module):

@@ -335,7 +335,12 @@ def test_normalisation_scale_and_bias_match_per_example_fisher(x64, layer_type, 
     damping=DAMPING,
     factor_dtype=F64,
     compute_method="inverse",
-    **{"factor_decay": 0.0, "factor_update_steps": 1, "inv_update_steps": 1, "kl_clip": None},
+    **{
+      "factor_decay": 0.0,
+      "factor_update_steps": 1,
+      "inv_update_steps": 1,
+      "step_norm": "natural",
+    },
   )
   _, grads, curvature = grad_fn(params, x)
   updates, _ = tx.update(grads, tx.init(params), params, curvature=curvature)

@@ -116,27 +116,27 @@ def test_bad_distribution_arguments():
   _, _, layers = _layers()
   mesh = kaisa_jax.make_mesh("hybrid_opt")
   with pytest.raises(ValueError, match="not both"):
-    kaisa_jax.kfac(layers, kl_clip=None, mesh=mesh, axis_name="batch")
+    kaisa_jax.kfac(layers, step_norm="natural", mesh=mesh, axis_name="batch")
   with pytest.raises(ValueError, match="means 8 grad workers, but the mesh has 4"):
-    kaisa_jax.kfac(layers, kl_clip=None, mesh=mesh, grad_worker_fraction="comm_opt")
+    kaisa_jax.kfac(layers, step_norm="natural", mesh=mesh, grad_worker_fraction="comm_opt")
   with pytest.raises(ValueError, match=r"make it with kaisa_jax\.make_mesh"):
-    kaisa_jax.kfac(layers, kl_clip=None, mesh=jax.make_mesh((8,), ("data",)))
+    kaisa_jax.kfac(layers, step_norm="natural", mesh=jax.make_mesh((8,), ("data",)))
   with pytest.raises(ValueError, match="valid values for 8 devices"):
-    kaisa_jax.kfac(layers, kl_clip=None, axis_name="batch", grad_worker_fraction=0.3)
+    kaisa_jax.kfac(layers, step_norm="natural", axis_name="batch", grad_worker_fraction=0.3)
   with pytest.raises(ValueError, match="axis_size goes with axis_name"):
-    kaisa_jax.kfac(layers, kl_clip=None, axis_size=4)
+    kaisa_jax.kfac(layers, step_norm="natural", axis_size=4)
   with pytest.raises(ValueError, match="one of"):
-    kaisa_jax.kfac(layers, kl_clip=None, grad_worker_fraction="fastest")
+    kaisa_jax.kfac(layers, step_norm="natural", grad_worker_fraction="fastest")
   with pytest.raises(ValueError, match="assignment_cost"):
-    kaisa_jax.kfac(layers, kl_clip=None, assignment_cost="flops")
+    kaisa_jax.kfac(layers, step_norm="natural", assignment_cost="flops")
   # On a single device the fraction has no effect but is still checked.
-  single = kaisa_jax.kfac(layers, kl_clip=None, grad_worker_fraction="mem_opt")
+  single = kaisa_jax.kfac(layers, step_norm="natural", grad_worker_fraction="mem_opt")
   assert single.plan.layout.devices == 1
 
 
 def test_update_outside_its_mesh_says_so():
   params, grad_fn, layers = _layers()
-  tx = kaisa_jax.kfac(layers, kl_clip=None, axis_name="batch")
+  tx = kaisa_jax.kfac(layers, step_norm="natural", axis_name="batch")
   _, grads, curvature = grad_fn(params, jnp.ones((8, 2)))
   state = tx.init(params)
   with pytest.raises(ValueError, match=r"call its update inside jax\.pmap"):
@@ -145,7 +145,7 @@ def test_update_outside_its_mesh_says_so():
 
 def test_plan_lists_the_assignment():
   _, _, layers = _layers()
-  tx = kaisa_jax.kfac(layers, kl_clip=None, mesh=kaisa_jax.make_mesh("hybrid_opt"))
+  tx = kaisa_jax.kfac(layers, step_norm="natural", mesh=kaisa_jax.make_mesh("hybrid_opt"))
   text = str(tx.plan)
   assert "2 group(s) x 4 grad worker(s), assignment by compute cost" in text
   assert "group" in text.splitlines()[0] and "worker" in text.splitlines()[0]

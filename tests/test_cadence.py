@@ -41,7 +41,7 @@ def setup(dtype=jnp.float32, **kwargs):
   params = MODEL.init(jax.random.key(0), data[0][0])
   params = jax.tree.map(lambda p: p.astype(dtype), params)
   grad_fn = kaisa_jax.value_and_grad(loss_fn)
-  config = dict(kl_clip=None, max_cost_ratio=None, factor_dtype=dtype) | kwargs
+  config = dict(step_norm="natural", max_cost_ratio=None, factor_dtype=dtype) | kwargs
   tx = kaisa_jax.kfac(grad_fn.layers(params, *data[0]), **config)
   return data, params, grad_fn, tx
 
@@ -139,6 +139,26 @@ def test_kl_clip_matches_formula(kl_clip):
   assert (nu < 1.0) == (kl_clip < 1.0)
   for a, b in zip(jax.tree.leaves(c), jax.tree.leaves(p)):
     np.testing.assert_allclose(a, nu * np.asarray(b), rtol=1e-5, atol=1e-8)
+
+
+def test_the_default_step_has_the_gradients_norm(x64):
+  """``nu = sqrt(sum |V|^2 / sum |P|^2)`` over the preconditioned layers, float64 throughout."""
+  data, params, grad_fn, natural = setup(jnp.float64, factor_update_steps=1, inv_update_steps=1)
+  config = dict(factor_update_steps=1, inv_update_steps=1, max_cost_ratio=None)
+  default = kaisa_jax.kfac(grad_fn.layers(params, *data[0]), factor_dtype=jnp.float64, **config)
+  x, y = data[0]
+  _, grads, curvature = grad_fn(params, x, y)
+  p, _ = natural.update(grads, natural.init(params), params, curvature=curvature)
+  u, state = default.update(grads, default.init(params), params, curvature=curvature)
+  pp = sum(np.sum(np.square(np.asarray(a))) for a in jax.tree.leaves(p))
+  vv = sum(np.sum(np.square(np.asarray(a))) for a in jax.tree.leaves(grads))
+  nu = np.sqrt(vv / pp)
+  assert not np.isclose(nu, 1.0, rtol=1e-2)  # the preconditioner changed the length
+  for a, b in zip(jax.tree.leaves(u), jax.tree.leaves(p), strict=True):
+    np.testing.assert_allclose(a, nu * np.asarray(b), rtol=1e-10)
+  np.testing.assert_allclose(float(state.kl_scale), nu, rtol=1e-10)
+  length = np.sqrt(sum(np.sum(np.square(np.asarray(a))) for a in jax.tree.leaves(u)))
+  np.testing.assert_allclose(length, np.sqrt(vv), rtol=1e-10)
 
 
 def test_kl_clip_scale_is_the_formula_bit_for_bit():

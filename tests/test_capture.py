@@ -104,7 +104,7 @@ def test_patterns_select_layers_and_listing_reports_the_rest():
   grad_fn = kaisa_jax.value_and_grad(loss_fn, has_aux=True, include="enc/*")
   _, grads, curvature = grad_fn(*args)
   assert list(curvature) == ["enc/Dense_0"]
-  tx = kaisa_jax.kfac(only_enc, kl_clip=None)
+  tx = kaisa_jax.kfac(only_enc, step_norm="natural")
   updates, _ = tx.update(grads, tx.init(args[0]), args[0], curvature=curvature)
   np.testing.assert_array_equal(updates["Conv_0"]["kernel"], grads["Conv_0"]["kernel"])
   assert not np.allclose(updates["enc"]["Dense_0"]["kernel"], grads["enc"]["Dense_0"]["kernel"])
@@ -123,7 +123,7 @@ def test_loss_that_casts_its_params_is_matched_by_path():
   layers = grad_fn.layers(params, x)
   assert layers.specs[0].param_path == (jax.tree_util.DictKey("params"),)
   _, grads, curvature = grad_fn(params, x)
-  tx = kaisa_jax.kfac(layers, kl_clip=None)
+  tx = kaisa_jax.kfac(layers, step_norm="natural")
   updates, _ = tx.update(grads, tx.init(params), params, curvature=curvature)
   assert updates["params"]["kernel"].dtype == jnp.float32
 
@@ -152,7 +152,7 @@ def test_layer_called_twice_counts_its_calls_as_uses(x64):
   layers = grad_fn.layers(params)
   assert layers.specs[0].calls == 2
   _, grads, curvature = grad_fn(params)
-  tx = kaisa_jax.kfac(layers, factor_decay=0.0, kl_clip=None, factor_dtype=jnp.float64)
+  tx = kaisa_jax.kfac(layers, factor_decay=0.0, step_norm="natural", factor_dtype=jnp.float64)
   _, state = tx.update(grads, tx.init(params), params, curvature=curvature)
   g1, g2 = jax.grad(head, argnums=(0, 1))(*model.apply(params, x1, x2))
   a_ref = 0.5 * (
@@ -177,7 +177,7 @@ def test_n_examples_override_scales_g_factor():
   for n in (None, 12):
     grad_fn = kaisa_jax.value_and_grad(loss_fn, n_examples=n)
     _, grads, curvature = grad_fn(params, x)
-    tx = kaisa_jax.kfac(layers, factor_decay=0.0, kl_clip=None)
+    tx = kaisa_jax.kfac(layers, factor_decay=0.0, step_norm="natural")
     states.append(tx.update(grads, tx.init(params), params, curvature=curvature)[1])
   g_default, g_tokens = (kaisa_jax.layer_factors(tx.plan, s)["Dense"].g for s in states)
   np.testing.assert_allclose(g_tokens, 3.0 * g_default, rtol=1e-5)

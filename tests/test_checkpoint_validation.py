@@ -16,7 +16,7 @@ from kaisa_jax import preconditioning
 
 # Two layers; the same wider; the same with a third layer of the same dims as the second.
 SMALL, WIDE, DEEPER = (32, 4), (64, 4), (32, 4, 4)
-KFAC = dict(kl_clip=None, factor_update_steps=1, inv_update_steps=1, max_cost_ratio=None)
+KFAC = dict(step_norm="natural", factor_update_steps=1, inv_update_steps=1, max_cost_ratio=None)
 
 
 class MLP(nn.Module):
@@ -228,7 +228,7 @@ class _PortableBeforeKLScale(NamedTuple):
 
 def test_a_checkpoint_without_kl_scale_is_refused_by_name_or_restored_partially(tmp_path):
   params, grad_fn, _ = _model(SMALL)
-  kfac, state = _fresh(SMALL, kl_clip=1e-4, lr=0.1)
+  kfac, state = _fresh(SMALL, step_norm="natural", kl_clip=1e-4, lr=0.1)
   _, grads, curvature = grad_fn(params, X)
   _, state = jax.jit(kfac.update)(grads, state, params, curvature=curvature)
   portable = kaisa_jax.to_portable(kfac, state)

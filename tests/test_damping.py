@@ -127,4 +127,4 @@ def test_damping_form_rejected_when_unknown():
   params = model.init(jax.random.key(0), x)
   grad_fn = kaisa_jax.value_and_grad(lambda p, x: jnp.mean(model.apply(p, x)))
   with pytest.raises(ValueError, match="damping_form must be one of"):
-    kaisa_jax.kfac(grad_fn.layers(params, x), damping_form="absolute", lr=0.1)
+    kaisa_jax.kfac(grad_fn.layers(params, x), damping_form="absolute")

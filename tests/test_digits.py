@@ -35,7 +35,7 @@ def final_training_loss(use_kfac: bool, seed: int) -> float:
   sgd = optax.sgd(LR, momentum=0.9)
   if use_kfac:
     layers = grad_fn.layers(params, X[:BATCH], Y[:BATCH])
-    kfac = kaisa_jax.kfac(layers, lr=LR, factor_update_steps=1, inv_update_steps=10)
+    kfac = kaisa_jax.kfac(layers, factor_update_steps=1, inv_update_steps=10)
     tx = optax.chain(kfac, sgd)
   else:
     tx = sgd

@@ -134,7 +134,7 @@ def _shard_bytes(array) -> set[int]:
 def test_second_order_state_is_sharded():
   params, layers = _equal_layers_params()
   # One treatment everywhere (the cost rule would weigh 1 row against 8).
-  kw = dict(kl_clip=None, max_cost_ratio=None)
+  kw = dict(step_norm="natural", max_cost_ratio=None)
   single = kaisa_jax.kfac(layers, **kw).init(params)
   per_device = {}
   for fraction in ("mem_opt", "hybrid_opt", "comm_opt"):

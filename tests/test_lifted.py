@@ -268,7 +268,7 @@ def test_what_is_not_followed_is_listed_and_passed_through():
   with pytest.warns(
     UserWarning, match="2 module\\(s\\) with parameters will not be preconditioned"
   ):
-    tx = kaisa_jax.kfac(layers, kl_clip=None)
+    tx = kaisa_jax.kfac(layers, step_norm="natural")
   _, grads, curvature = jax.jit(grad_fn)(params, x)
   updates, _ = tx.update(grads, tx.init(params), params, curvature=curvature)
   for name in ("in_cond", "moved"):

@@ -35,7 +35,7 @@ def _decomposition_shapes(spec, t):
 @pytest.mark.parametrize("n", [4, 8])
 def test_three_schemes_per_device(layers, n):
   at = mas.at_scale(layers, n)
-  kfac = kaisa_jax.kfac(layers, axis_name="batch", axis_size=n, kl_clip=None)
+  kfac = kaisa_jax.kfac(layers, axis_name="batch", axis_size=n, step_norm="natural")
   plan = kfac.plan  # the treatments of n devices, as the benchmark's
   factors = _sizes(plan, assignment.factor_shapes)
   decompositions = _sizes(plan, _decomposition_shapes)
@@ -47,7 +47,11 @@ def test_three_schemes_per_device(layers, n):
     assert ours == {"factors": option.factor_memory, "decompositions": option.decomposition_memory}
     # The reference: every factor, and the decompositions of the largest group, layer by layer.
     layout = kaisa_jax.kfac(
-      layers, axis_name="batch", axis_size=n, grad_worker_fraction=option.fraction, kl_clip=None
+      layers,
+      axis_name="batch",
+      axis_size=n,
+      grad_worker_fraction=option.fraction,
+      step_norm="natural",
     ).plan.layout
     largest = max(sum(decompositions[i] for i in layout.group(r)) for r in range(layout.rows))
     assert ref == {"factors": sum(factors), "decompositions": largest}

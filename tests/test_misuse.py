@@ -64,7 +64,7 @@ def _assert_trees_equal(a, b):
 
 
 def test_pmap_without_axis_name_raises():
-  kfac = kaisa_jax.kfac(LAYERS, lr=0.1, **KFAC)
+  kfac = kaisa_jax.kfac(LAYERS, **KFAC)
   tx = optax.chain(kfac, optax.sgd(0.1))
   n = 2
   stack = lambda tree: jax.tree.map(lambda a: jnp.stack([a] * n), tree)  # noqa: E731
@@ -96,7 +96,7 @@ def _shard_map_step(tx, mesh, state_specs):
 
 def test_shard_map_with_a_kfac_built_without_mesh_raises():
   mesh = kaisa_jax.make_mesh("hybrid_opt", jax.devices()[:4])
-  tx = kaisa_jax.kfac(LAYERS, lr=0.1, **KFAC)
+  tx = kaisa_jax.kfac(LAYERS, **KFAC)
   state = tx.init(PARAMS)
   # The usual recipe: the specs of the state say that it was not made for a mesh.
   with pytest.raises(ValueError, match=r"built without mesh=.*make_mesh"):
@@ -108,7 +108,7 @@ def test_shard_map_with_a_kfac_built_without_mesh_raises():
   with pytest.raises(ValueError, match=r"built for one device.*mesh=kaisa_jax.make_mesh"):
     fn(params, state, x, y)
   # Built for the mesh, the same step runs.
-  tx = kaisa_jax.kfac(LAYERS, lr=0.1, mesh=mesh, **KFAC)
+  tx = kaisa_jax.kfac(LAYERS, mesh=mesh, **KFAC)
   state = tx.init(params)
   specs = kaisa_jax.partition_specs(state)
   assert int(_shard_map_step(tx, mesh, specs)(params, state, x, y).count) == 1
@@ -116,7 +116,7 @@ def test_shard_map_with_a_kfac_built_without_mesh_raises():
 
 def test_named_vmap_axis_raises_unnamed_vmap_runs():
   """A named vmap axis looks like data parallelism; an unnamed one (an ensemble) is fine."""
-  tx = kaisa_jax.kfac(LAYERS, lr=0.1, **KFAC)
+  tx = kaisa_jax.kfac(LAYERS, **KFAC)
   seeds = jnp.arange(2)
   params = jax.vmap(lambda s: MODEL.init(jax.random.key(s), XS[0]))(seeds)
 
@@ -143,7 +143,7 @@ def test_optimizer_before_kfac_raises_at_the_first_step(first):
     "momentum": optax.sgd(0.1, momentum=0.9),
     "adam": optax.adam(1e-3),
   }[first]
-  tx = optax.chain(optimizer, kaisa_jax.kfac(LAYERS, lr=0.1, **KFAC))
+  tx = optax.chain(optimizer, kaisa_jax.kfac(LAYERS, **KFAC))
   with pytest.raises(Exception, match=r"another optimizer runs before kfac.*comes first"):
     _train(tx, steps=1)
 
@@ -152,7 +152,7 @@ def test_the_chain_check_leaves_the_step_without_side_effects():
   # A jax.debug.callback anywhere in the step, even in a branch that runs once, sends
   # every call through JAX's dispatch path for effects: 1.4 ms per call measured on this
   # CPU, about 10 % of a K-FAC step on the MNIST-1D CNN. The check must stay pure.
-  tx = optax.chain(kaisa_jax.kfac(LAYERS, lr=0.1, **KFAC), optax.sgd(0.1))
+  tx = optax.chain(kaisa_jax.kfac(LAYERS, **KFAC), optax.sgd(0.1))
 
   def step(params, state, x, y):
     _, grads, curvature = GRAD_FN(params, x, y)
@@ -164,7 +164,7 @@ def test_the_chain_check_leaves_the_step_without_side_effects():
 
 
 def test_transformations_of_the_gradient_before_kfac_are_accepted():
-  kfac = kaisa_jax.kfac(LAYERS, lr=0.1, **KFAC)
+  kfac = kaisa_jax.kfac(LAYERS, **KFAC)
   tx = optax.chain(
     optax.clip_by_global_norm(1e-3), optax.add_decayed_weights(1e-4), kfac, optax.sgd(0.1)
   )
@@ -185,26 +185,34 @@ def _one_update(tx, params=PARAMS, state=None, x=XS[0], y=YS[0]):
 def test_inject_hyperparams_changes_damping_lr_kl_clip_and_decay_in_a_jitted_step():
   values = dict(damping=3e-2, lr=0.2, kl_clip=1e-4, factor_decay=0.5)
   injected = optax.inject_hyperparams(kaisa_jax.kfac, static_args=("inv_update_steps",))(
-    LAYERS, damping=1e-2, lr=0.1, kl_clip=1e-3, factor_decay=0.9, max_cost_ratio=None
+    LAYERS,
+    damping=1e-2,
+    step_norm="natural",
+    lr=0.1,
+    kl_clip=1e-3,
+    factor_decay=0.9,
+    max_cost_ratio=None,
   )
   state = injected.init(PARAMS)
   # Change every injected value in the state; the jitted update must use the new ones.
   state.hyperparams.update({k: jnp.asarray(v, jnp.float32) for k, v in values.items()})
   updates, state = _one_update(injected, state=state)
   direct, _ = _one_update(
-    kaisa_jax.kfac(LAYERS, inv_update_steps=100, max_cost_ratio=None, **values)
+    kaisa_jax.kfac(LAYERS, inv_update_steps=100, max_cost_ratio=None, step_norm="natural", **values)
   )
   _assert_trees_equal(updates, direct)
   # The second step reuses the factors made with the injected decay.
   updates, _ = _one_update(injected, state=state, x=XS[1], y=YS[1])
-  ref = kaisa_jax.kfac(LAYERS, inv_update_steps=100, max_cost_ratio=None, **values)
+  ref = kaisa_jax.kfac(
+    LAYERS, inv_update_steps=100, max_cost_ratio=None, step_norm="natural", **values
+  )
   _, ref_state = _one_update(ref)
   direct, _ = _one_update(ref, state=ref_state, x=XS[1], y=YS[1])
   _assert_trees_equal(updates, direct)
 
 
 def test_inject_hyperparams_says_which_arguments_must_stay_static():
-  injected = optax.inject_hyperparams(kaisa_jax.kfac)(LAYERS, lr=0.1)
+  injected = optax.inject_hyperparams(kaisa_jax.kfac)(LAYERS)
   state = injected.init(PARAMS)
   with pytest.raises(TypeError, match=r"inv_update_steps.*static_args="):
     _one_update(injected, state=state)
@@ -213,7 +221,7 @@ def test_inject_hyperparams_says_which_arguments_must_stay_static():
 def test_apply_if_finite_skips_a_non_finite_batch():
   """A NaN batch is skipped whole: the run equals one that never saw it."""
   tx = optax.apply_if_finite(
-    optax.chain(kaisa_jax.kfac(LAYERS, lr=0.1, **KFAC), optax.sgd(0.1, momentum=0.9)), 5
+    optax.chain(kaisa_jax.kfac(LAYERS, **KFAC), optax.sgd(0.1, momentum=0.9)), 5
   )
   xs = XS.copy()
   xs[1, 0, 0, 0, 0] = np.nan
@@ -224,7 +232,7 @@ def test_apply_if_finite_skips_a_non_finite_batch():
 
 
 def test_multi_steps_preconditions_the_mean_gradient_with_the_last_curvature():
-  inner = optax.chain(kaisa_jax.kfac(LAYERS, lr=0.1, **KFAC), optax.sgd(0.1))
+  inner = optax.chain(kaisa_jax.kfac(LAYERS, **KFAC), optax.sgd(0.1))
   params, _ = _train(optax.MultiSteps(inner, every_k_schedule=2), steps=2)
   # Reference: one step of the inner chain on the mean of the two batches'
   # gradients, with the curvature of the second.
@@ -241,7 +249,7 @@ def test_multi_steps_preconditions_the_mean_gradient_with_the_last_curvature():
 
 
 def test_layer_factors_are_each_layers_factor():
-  tx = kaisa_jax.kfac(LAYERS, lr=0.1, **KFAC)
+  tx = kaisa_jax.kfac(LAYERS, **KFAC)
   _, state = _train(tx, steps=1)
   factors = kaisa_jax.layer_factors(tx.plan, state)
   decs = kaisa_jax.layer_decompositions(tx.plan, state)
@@ -253,7 +261,7 @@ def test_layer_factors_are_each_layers_factor():
   x = jnp.ones((2, 5, 5, 2))
   params = conv.init(jax.random.key(0), x)
   grad_fn = kaisa_jax.value_and_grad(lambda p, x: jnp.sum(conv.apply(p, x) ** 2))
-  tx = kaisa_jax.kfac(grad_fn.layers(params, x), **{**KFAC, "kl_clip": None})
+  tx = kaisa_jax.kfac(grad_fn.layers(params, x), **{**KFAC, "step_norm": "natural"})
   _, grads, curvature = grad_fn(params, x)
   _, state = tx.update(grads, tx.init(params), params, curvature=curvature)
   (conv_factors,) = kaisa_jax.layer_factors(tx.plan, state).values()
@@ -261,7 +269,7 @@ def test_layer_factors_are_each_layers_factor():
 
 
 def test_plan_prints_the_cost_ratio_the_rule_used():
-  tx = kaisa_jax.kfac(LAYERS, lr=0.1, axis_name="batch", axis_size=8)
+  tx = kaisa_jax.kfac(LAYERS, axis_name="batch", axis_size=8)
   spec, t = tx.plan.layers[0]
   whole = cost.step_cost_ratio(dataclasses.replace(spec, rows=spec.rows * 8), t, 100)
   local = cost.step_cost_ratio(spec, t, 100)
@@ -273,7 +281,7 @@ def test_plan_prints_the_cost_ratio_the_rule_used():
 def test_auto_fraction_under_inject_hyperparams_needs_a_static_factor_cadence():
   """The planner weighs the factor cadence: a traced one could give update another plan than init."""
   static = hyperparameters.STATIC
-  kwargs = dict(axis_name="batch", grad_worker_fraction="auto", factor_update_steps=10, lr=0.1)
+  kwargs = dict(axis_name="batch", grad_worker_fraction="auto", factor_update_steps=10)
   injected = optax.inject_hyperparams(kaisa_jax.kfac, static_args=static)(LAYERS, **kwargs)
   with pytest.raises(ValueError, match=r"factor_update_steps.*static_args=.*'factor_update_steps'"):
     injected.init(PARAMS)

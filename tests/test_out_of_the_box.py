@@ -77,7 +77,7 @@ def test_kfac_without_a_layer_to_precondition_raises():
   layers = kaisa_jax.value_and_grad(lambda p, x: jnp.mean((x @ p["w"]) ** 2)).layers(params, X)
   assert not layers.specs and [k.name for k in layers.skipped] == ["w"]
   with pytest.raises(ValueError, match=r"no layer to precondition.*model\.apply\(params"):
-    kaisa_jax.kfac(layers, lr=0.1)
+    kaisa_jax.kfac(layers)
 
 
 # --------------------------------------------------------------- parameters no layer holds
@@ -166,7 +166,7 @@ def test_warning_lists_one_module_a_line_and_stops_after_ten():
   layers = kaisa_jax.value_and_grad(lambda p, x: jnp.mean(model.apply(p, x) ** 2)).layers(params, X)
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    kaisa_jax.kfac(layers, kl_clip=None)
+    kaisa_jax.kfac(layers, step_norm="natural")
   (warning,) = caught
   lines = str(warning.message).splitlines()
   assert lines[0].startswith("kaisa_jax: 12 module(s) with parameters will not be preconditioned")
@@ -181,7 +181,13 @@ def test_warning_lists_one_module_a_line_and_stops_after_ten():
 def test_a_learning_rate_warming_up_from_zero_trains():
   schedule = optax.warmup_cosine_decay_schedule(0.0, 0.1, 10, 150)
   grad_fn = kaisa_jax.value_and_grad(lambda p, x, y: XENT(MODEL.apply(p, x), y).mean())
-  kfac = kaisa_jax.kfac(grad_fn.layers(PARAMS, X, Y), lr=schedule, factor_update_steps=1)
+  kfac = kaisa_jax.kfac(
+    grad_fn.layers(PARAMS, X, Y),
+    step_norm="natural",
+    kl_clip=1e-3,
+    lr=schedule,
+    factor_update_steps=1,
+  )
   tx = optax.chain(kfac, optax.sgd(schedule, momentum=0.9))
 
   @jax.jit
@@ -220,7 +226,7 @@ def test_nnx_optimizer_trains_as_the_plain_nnx_recipe():
     return XENT(nnx.merge(graphdef, p)(x), y).mean()
 
   grad_fn = kaisa_jax.value_and_grad(loss_fn)
-  kfac = kaisa_jax.kfac(grad_fn.layers(params, X, Y), lr=0.1, factor_update_steps=1)
+  kfac = kaisa_jax.kfac(grad_fn.layers(params, X, Y), factor_update_steps=1)
   tx = optax.chain(kfac, optax.sgd(0.1, momentum=0.9))
 
   @jax.jit

@@ -157,7 +157,7 @@ def test_auto_uses_the_planner_for_the_device_kind(monkeypatch):
   )
   monkeypatch.setattr(transform, "cluster_of", lambda device: slow_flops)
   kfac = kaisa_jax.kfac(
-    layers, axis_name="batch", axis_size=2, grad_worker_fraction="auto", kl_clip=None
+    layers, axis_name="batch", axis_size=2, grad_worker_fraction="auto", step_norm="natural"
   )
   expected = kaisa_jax.plan_fractions(layers, 2, slow_flops)
   assert Fraction(kfac.plan.layout.cols, 2) == expected.recommended == Fraction(1, 2)
@@ -166,7 +166,7 @@ def test_auto_uses_the_planner_for_the_device_kind(monkeypatch):
       layers,
       mesh=kaisa_jax.make_mesh(1, jax.devices()[:2]),
       grad_worker_fraction="auto",
-      kl_clip=None,
+      step_norm="natural",
     )
 
 
@@ -218,7 +218,7 @@ def test_auto_plans_with_the_default_budget(monkeypatch):
   layers = _wide_layers()
   small, _ = _small_device(layers, 8)
   monkeypatch.setattr(transform, "cluster_of", lambda device: small)
-  kwargs = dict(axis_name="batch", axis_size=8, kl_clip=None, max_cost_ratio=None)
+  kwargs = dict(axis_name="batch", axis_size=8, step_norm="natural", max_cost_ratio=None)
   kfac = kaisa_jax.kfac(layers, grad_worker_fraction="auto", **kwargs)
   expected = kaisa_jax.plan_fractions(layers, 8, small, max_cost_ratio=None).recommended
   assert Fraction(kfac.plan.layout.cols, 8) == expected != 1
@@ -458,7 +458,7 @@ def test_loop_corrections_count_as_xla_counts():
   x = jnp.ones((32, 6))
   params = model.init(jax.random.key(1), x)
   grad_fn = kaisa_jax.value_and_grad(lambda p, x: jnp.mean(model.apply(p, x) ** 2))
-  tx = optax.chain(kaisa_jax.kfac(grad_fn.layers(params, x), kl_clip=None), optax.sgd(0.1))
+  tx = optax.chain(kaisa_jax.kfac(grad_fn.layers(params, x), step_norm="natural"), optax.sgd(0.1))
 
   def kfac_step(params, opt_state):
     _, grads, curvature = grad_fn(params, x)
@@ -522,7 +522,7 @@ def _kfac_step(n_devices_traced: int = 1):
   params = model.init(jax.random.key(1), x)
   grad_fn = kaisa_jax.value_and_grad(lambda p, x: jnp.mean(model.apply(p, x) ** 2))
   kfac = kaisa_jax.kfac(
-    grad_fn.layers(params, x), factor_update_steps=2, inv_update_steps=4, kl_clip=None
+    grad_fn.layers(params, x), factor_update_steps=2, inv_update_steps=4, step_norm="natural"
   )
   tx = optax.chain(kfac, optax.sgd(0.1))
 
@@ -605,7 +605,7 @@ def test_the_readme_example_of_the_planner():
   assert "<- recommended" in str(choice) and "PROJECTED" in str(choice)
   assert kaisa_jax.plan_fractions(local, 8, kaisa_jax.DGX_A100).recommended == 1
   kfac = kaisa_jax.kfac(
-    local, axis_name="batch", axis_size=8, grad_worker_fraction=choice.recommended, lr=0.1
+    local, axis_name="batch", axis_size=8, grad_worker_fraction=choice.recommended
   )
   assert kfac.plan.layout.cols == 1
 

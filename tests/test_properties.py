@@ -24,23 +24,38 @@ configs = st.fixed_dictionaries(
     "factor_decay": anything,
     "factor_update_steps": steps,
     "inv_update_steps": steps,
+    "step_norm": st.sampled_from(["gradient", "natural", "euclidean"]),
     "kl_clip": anything,
     "lr": anything,
     "compute_method": st.sampled_from(["eigen", "inverse", "cholesky", ""]),
     "max_cost_ratio": st.one_of(st.none(), st.sampled_from([0.5, 4.0, -1.0, 0.0])),
   }
 )
-valid_configs = st.fixed_dictionaries(
-  {
-    "damping": st.floats(1e-6, 10.0),
-    "factor_decay": st.floats(0.0, 0.99),
-    "factor_update_steps": st.integers(1, 4),
-    "inv_update_steps": st.integers(1, 4),
-    "kl_clip": st.one_of(st.none(), st.floats(1e-5, 1.0)),
-    "lr": st.floats(1e-4, 1.0),
-    "compute_method": st.sampled_from(["eigen", "inverse"]),
-    "max_cost_ratio": st.one_of(st.none(), st.floats(0.1, 10.0)),
-  }
+# The step rules: the gradient's norm, K-FAC's own step, or K-FAC's own under a KL clip.
+step_rules = st.one_of(
+  st.just({"step_norm": "gradient", "kl_clip": None, "lr": None}),
+  st.just({"step_norm": "natural", "kl_clip": None, "lr": None}),
+  st.fixed_dictionaries(
+    {
+      "step_norm": st.just("natural"),
+      "kl_clip": st.floats(1e-5, 1.0),
+      "lr": st.floats(0.0, 1.0),
+    }
+  ),
+)
+valid_configs = st.builds(
+  dict.__or__,
+  st.fixed_dictionaries(
+    {
+      "damping": st.floats(1e-6, 10.0),
+      "factor_decay": st.floats(0.0, 0.99),
+      "factor_update_steps": st.integers(1, 4),
+      "inv_update_steps": st.integers(1, 4),
+      "compute_method": st.sampled_from(["eigen", "inverse"]),
+      "max_cost_ratio": st.one_of(st.none(), st.floats(0.1, 10.0)),
+    }
+  ),
+  step_rules,
 )
 shapes = st.tuples(st.sampled_from([1, 3, 8]), st.sampled_from([2, 5]), st.sampled_from([1, 4]))
 
@@ -62,9 +77,11 @@ def _valid(c) -> bool:
     and 0 <= c["factor_decay"] < 1
     and count(c["factor_update_steps"])
     and count(c["inv_update_steps"])
+    and c["step_norm"] in ("gradient", "natural")
     and (c["kl_clip"] is None or _positive(c["kl_clip"]))
-    and (c["lr"] is None or _positive(c["lr"]))
-    and (c["kl_clip"] is None or c["lr"] is not None)
+    and (c["lr"] is None or (_real(c["lr"]) and c["lr"] >= 0))
+    and (c["kl_clip"] is None) == (c["lr"] is None)  # lr is read by the clip alone
+    and (c["kl_clip"] is None or c["step_norm"] == "natural")
     and c["compute_method"] in ("eigen", "inverse")
     and (c["max_cost_ratio"] is None or c["max_cost_ratio"] > 0)
   )

@@ -101,14 +101,16 @@ def _small_problem():
 def test_restore_with_another_treatment_converts_and_recomputes(tmp_path):
   params, x, y, grad_fn, layers = _small_problem()
   kaisa = dict(damping=1e-2, damping_form="kaisa")  # each basis below is (F + 1e-2 I)^-1
-  kfac = kaisa_jax.kfac(layers, kl_clip=None, factor_update_steps=1, inv_update_steps=50, **kaisa)
+  kfac = kaisa_jax.kfac(
+    layers, step_norm="natural", factor_update_steps=1, inv_update_steps=50, **kaisa
+  )
   state = kfac.init(params)
   for _ in range(3):
     _, grads, curvature = jax.jit(grad_fn)(params, x, y)
     _, state = jax.jit(kfac.update)(grads, state, params, curvature=curvature)
   # Now the inverse method: the eigendecompositions do not apply; recompute them.
   inverse = kaisa_jax.kfac(
-    layers, kl_clip=None, compute_method="inverse", inv_update_steps=50, **kaisa
+    layers, step_norm="natural", compute_method="inverse", inv_update_steps=50, **kaisa
   )
   _, restored = _save_and_restore(
     tmp_path, kfac, params, state, (inverse, params, inverse.init(params))
@@ -128,7 +130,7 @@ def test_restore_with_another_treatment_converts_and_recomputes(tmp_path):
 
 
 def _guarded(layers, **kwargs):
-  kfac = kaisa_jax.kfac(layers, lr=0.1, factor_update_steps=1, inv_update_steps=2, **kwargs)
+  kfac = kaisa_jax.kfac(layers, factor_update_steps=1, inv_update_steps=2, **kwargs)
   # apply_if_finite drops a non-finite update after K-FAC has recorded the skip.
   return kfac, optax.chain(kfac, optax.apply_if_finite(optax.sgd(0.1), max_consecutive_errors=5))
 
@@ -229,7 +231,7 @@ def test_rank_deficient_factors_stay_finite_at_tiny_damping(method):
   kfac = kaisa_jax.kfac(
     grad_fn.layers(params, x),
     damping=1e-7,
-    kl_clip=None,
+    step_norm="natural",
     compute_method=method,
     factor_update_steps=1,
     inv_update_steps=1,
@@ -270,6 +272,7 @@ def test_kl_clip_bounds_the_step_in_the_curvature_metric_at_tiny_damping():
     grad_fn.layers(params, batch),
     damping=damping,
     damping_form="kaisa",  # the metric A (x) G + damping of the docstring
+    step_norm="natural",
     kl_clip=kl_clip,
     lr=lr,
     factor_update_steps=1,
@@ -330,7 +333,7 @@ def _precondition(dtype, params, x, y, damping):
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
   grad_fn = kaisa_jax.value_and_grad(loss_fn)
-  kfac = kaisa_jax.kfac(grad_fn.layers(params, x, y), kl_clip=None, damping=damping)
+  kfac = kaisa_jax.kfac(grad_fn.layers(params, x, y), step_norm="natural", damping=damping)
   _, grads, curvature = jax.jit(grad_fn)(params, x, y)
   state = kfac.init(params)
   updates, state = jax.jit(kfac.update)(grads, state, params, curvature=curvature)
@@ -378,9 +381,7 @@ def test_bfloat16_model_trains():
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
   grad_fn = kaisa_jax.value_and_grad(loss_fn)
-  kfac = kaisa_jax.kfac(
-    grad_fn.layers(params, x, y), lr=0.05, factor_update_steps=2, inv_update_steps=10
-  )
+  kfac = kaisa_jax.kfac(grad_fn.layers(params, x, y), factor_update_steps=2, inv_update_steps=10)
   tx = optax.chain(kfac, optax.sgd(0.05, momentum=0.9))
 
   @jax.jit

@@ -75,8 +75,9 @@ def test_kfac_at_its_defaults_is_tuned_like_the_baseline():
 
 
 def test_clip_table_compares_each_clips_best_rate_with_the_baseline():
-  """Each clip's column is its best rate's final loss over the tuned baseline's; the default
-  clip's is K-FAC's own tuning; no clip comes last; a clip not run on a problem is left empty."""
+  """Each column is its best rate's final loss over the tuned baseline's: K-FAC's own tuning at
+  its defaults, then the KAISA clip's (the former defaults' tuning), then each other clip, no
+  clip last; a clip not run on a problem is left empty."""
   robustness = _benchmark()
   results = {
     "problems": {
@@ -85,6 +86,7 @@ def test_clip_table_compares_each_clips_best_rate_with_the_baseline():
         "lr": 0.3,
         "baseline": {"0.1": [4.0, 4.0], "0.3": [2.0, 2.0]},
         "tuned": {"by_lr": {"0.1": [1.0, 3.0], "0.3": [5.0, 5.0]}},
+        "tuned_kl_clip": {"by_lr": {"0.1": [6.0, 6.0], "0.3": [7.0, 7.0]}},
         "kl_clip": {"None": {"0.1": [8.0, 8.0]}, "0.01": {"0.1": [9.0, 9.0], "0.3": [0.5, 0.5]}},
       },
       "b": {
@@ -92,17 +94,20 @@ def test_clip_table_compares_each_clips_best_rate_with_the_baseline():
         "lr": 0.1,
         "baseline": {"0.1": [1.0]},
         "tuned": {"by_lr": {"0.03": [3.0]}},
+        "tuned_kl_clip": {"by_lr": {"0.3": [0.25]}},
         "kl_clip": {"0.01": {"0.1": [0.5]}, "1e-05": {"0.1": [2.0]}},
       },
     }
   }
   lines = robustness.clip_table(results).splitlines()
   assert lines[0] == (
-    "| model | baseline: lr, final loss | kl_clip 0.001 (default) | kl_clip 1e-05 | kl_clip 0.01 "
-    "| kl_clip None |"
+    "| model | baseline: lr, final loss | gradient's norm (default) | natural, kl_clip 0.001 "
+    "(KAISA) | natural, kl_clip 1e-05 | natural, kl_clip 0.01 | natural, no clip |"
   )
-  assert lines[2] == "| a | sgd 0.3, 2 | 1 (lr 0.1) |  | 0.25 (lr 0.3) | 4 (lr 0.1) |"
-  assert lines[3] == "| b | sgd 0.1, 1 | 3 (lr 0.03) | 2 (lr 0.1) | 0.5 (lr 0.1) |  |"
+  assert lines[2] == "| a | sgd 0.3, 2 | 1 (lr 0.1) | 3 (lr 0.1) |  | 0.25 (lr 0.3) | 4 (lr 0.1) |"
+  assert (
+    lines[3] == "| b | sgd 0.1, 1 | 3 (lr 0.03) | 0.25 (lr 0.3) | 2 (lr 0.1) | 0.5 (lr 0.1) |  |"
+  )
 
 
 def test_a_rerun_on_another_cpu_is_shown_beside_the_first_run():
@@ -148,14 +153,65 @@ def test_a_rerun_on_another_cpu_is_shown_beside_the_first_run():
     "Of the 42 runs both trained (every rate and damping, every seed), 18 ended within 10 % of "
     "each other, 17 of them bit for bit, and 23 more than 2x apart. Read from the second run:"
   )
-  assert lines[-3].endswith("met on 1 of 3; missed on a (2x), c (1.5x).")
+  assert lines[-3].endswith("met on 1 of 3; missed on a (2x), c (1.52x).")
   assert lines[-2].endswith("met on 2 of 3; missed on b (8x).")
   medians = (
     "met on 0 of 3; missed on c (1.5x, 1.5x); met in one run only on a (0.5x, 2x), b (1.5x, 0.25x)"
   )
   assert lines[-1].endswith(f"in both runs: {medians}.")
+  # A rerun of the former defaults only (its K-FAC runs under "tuned_kl_clip") compares those.
+  former = [
+    {
+      **d,
+      "problems": {
+        n: {**{k: v for k, v in r.items() if k != "tuned"}, "tuned_kl_clip": r["tuned"]}
+        for n, r in d["problems"].items()
+      },
+    }
+    for d in (first, second)
+  ]
+  assert robustness.rerun_key(former[1]) == "tuned_kl_clip"
+  assert robustness.rerun_table(*former).splitlines()[2:5] == lines[2:5]
   line = robustness.readme(first, second).splitlines()[-1]
-  assert line.startswith("- Trained again on another CPU, same code and seeds: target 1 met on 1")
+  assert line.startswith(
+    "- K-FAC at its defaults, trained again on another CPU, same code and seeds: target 1 met on 1"
+  )
   assert line.endswith(
     f"missed on b (8x). Target 1 by the ratio of the seeds' medians, in both runs: {medians}."
   )
+
+
+def test_kfac_trained_on_the_reruns_cpu_is_also_read_against_the_reruns_baselines():
+  """`same_cpu`: K-FAC's runs of the first file, trained on the rerun's CPU, against the rerun's
+  baselines (by the seeds' means and medians); nothing where any run's CPU differs."""
+  robustness = _benchmark()
+  default = repr(robustness.preconditioning.DEFAULT_DAMPING)
+
+  def problem(kfac, baseline, cpu=None):
+    tuned = {"lr": 0.1, "by_lr": {"0.1": kfac}, "dampings": {default: kfac}}
+    if cpu:
+      tuned["machine"] = cpu
+    return {"optimizer": "sgd", "lr": 0.3, "baseline": {"0.3": baseline}, "tuned": tuned}
+
+  first = {
+    "problems": {
+      "a": problem([1.0, 1.0, 4.0], [9.0] * 3, "B"),
+      "b": problem([2.0] * 3, [9.0] * 3, "B"),
+    }
+  }
+  rerun = {
+    "machine": "B",
+    "problems": {
+      "a": problem([0.0] * 3, [1.0, 1.0, 1.0]),
+      "b": problem([0.0] * 3, [1.0, 3.0, 3.0]),
+    },
+  }
+  line = robustness.same_cpu(first, rerun)
+  # a: K-FAC's mean 2 against 1 (its median 1 against 1); b: 2 against 7/3 (median 2 against 3).
+  assert line == (
+    "- K-FAC's runs above were trained on B, the baselines on the first run's CPU; against the "
+    "baselines trained again on the same CPU as K-FAC (the rerun's), target 1 is met on 1 of 2; "
+    "missed on a (2x); by the ratio of the seeds' medians, met on 2 of 2."
+  )
+  first["problems"]["b"]["tuned"]["machine"] = "C"
+  assert robustness.same_cpu(first, rerun) == ""

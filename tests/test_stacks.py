@@ -156,8 +156,9 @@ def _train(monkeypatch, apart: bool, compute_method: str, kl_clip: float | None,
   grad_fn = kaisa_jax.value_and_grad(lambda p, x, y: optax.l2_loss(model.apply(p, x), y).mean())
   kfac = kaisa_jax.kfac(
     grad_fn.layers(params, x, y),
-    lr=0.1,
+    step_norm="natural",
     kl_clip=kl_clip,
+    **({} if kl_clip is None else {"lr": 0.1}),
     factor_update_steps=1,
     inv_update_steps=2,
     compute_method=compute_method,
@@ -378,7 +379,7 @@ def _tower(hidden: int = 2):
   x = jax.random.normal(jax.random.key(0), (32, 10))
   params = model.init(jax.random.key(2), x)
   grad_fn = kaisa_jax.value_and_grad(lambda p, x: jnp.mean(model.apply(p, x) ** 2))
-  kfac = kaisa_jax.kfac(grad_fn.layers(params, x), kl_clip=None, max_cost_ratio=None)
+  kfac = kaisa_jax.kfac(grad_fn.layers(params, x), step_norm="natural", max_cost_ratio=None)
 
   def step(params, state):
     _, grads, curvature = grad_fn(params, x)
@@ -441,7 +442,7 @@ def test_a_grouped_layer_whose_group_fails_keeps_all_its_groups_and_counts_once(
   x = jax.random.normal(jax.random.key(0), (4, 5, 5, 2))
   params = conv.init(jax.random.key(1), x)
   grad_fn = kaisa_jax.value_and_grad(lambda p, x: jnp.mean(conv.apply(p, x) ** 2))
-  kfac = kaisa_jax.kfac(grad_fn.layers(params, x), kl_clip=None, max_cost_ratio=None)
+  kfac = kaisa_jax.kfac(grad_fn.layers(params, x), step_norm="natural", max_cost_ratio=None)
 
   @jax.jit
   def step(params, state):
@@ -486,9 +487,7 @@ def test_on_the_cpu_the_decompositions_in_place_are_the_batched_calls_bit_for_bi
   grad_fn = kaisa_jax.value_and_grad(
     lambda p, x, y: optax.softmax_cross_entropy_with_integer_labels(model.apply(p, x), y).mean()
   )
-  kfac = kaisa_jax.kfac(
-    grad_fn.layers(params, x, y), lr=0.1, compute_method=method, max_cost_ratio=0.5
-  )
+  kfac = kaisa_jax.kfac(grad_fn.layers(params, x, y), compute_method=method, max_cost_ratio=0.5)
   plan = kfac.plan
   treatments = [t for _, t in plan.layers]
   assert any(spec.groups == 2 for spec, _ in plan.layers)  # a grouped layer

@@ -61,7 +61,7 @@ def setup(x: jax.Array, y: jax.Array, **kwargs: Any) -> tuple[Any, Any, kaisa_ja
     factor_update_steps=1,
     inv_update_steps=1,
     max_cost_ratio=None,
-    kl_clip=None,
+    step_norm="natural",
     factor_dtype=jnp.float64,
   )
   return params, grad_fn, kaisa_jax.kfac(grad_fn.layers(params, x, y), **(config | kwargs))

@@ -34,7 +34,7 @@ def test_character_transformer_trains_below_unigram_baseline():
   assert {k.module_type for k in layers.skipped} == {"LayerNorm"}
 
   lr = 0.05
-  kfac = kaisa_jax.kfac(layers, lr=lr, damping=1e-2, factor_update_steps=5, inv_update_steps=25)
+  kfac = kaisa_jax.kfac(layers, damping=1e-2, factor_update_steps=5, inv_update_steps=25)
   tx = optax.chain(kfac, optax.sgd(lr, momentum=0.9))
 
   @jax.jit

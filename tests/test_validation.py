@@ -52,20 +52,28 @@ LAYERS = GRAD_FN.layers(PARAMS, X)
     ),
     (dict(compute_method="cholesky"), ValueError, "compute_method must be one of"),
     (dict(weight_sharing="mean"), ValueError, "weight_sharing must be one of"),
-    (dict(kl_clip=1e-3, lr=None), ValueError, "kl_clip needs the learning rate"),
-    (dict(kl_clip=-1.0, lr=0.1), ValueError, "kl_clip must lie in"),
-    (dict(kl_clip=None, lr=-0.1), ValueError, "lr must lie in"),
+    (dict(step_norm="euclidean"), ValueError, "step_norm must be one of"),
+    (dict(step_norm="natural", kl_clip=1e-3, lr=None), ValueError, "kl_clip needs the learning"),
+    (dict(step_norm="natural", kl_clip=-1.0, lr=0.1), ValueError, "kl_clip must lie in"),
+    (dict(step_norm="natural", lr=-0.1), ValueError, "lr must lie in"),
+    (dict(step_norm="natural", lr=0.1), ValueError, "lr is read only by the KL clip"),
+    (dict(lr=0.1), ValueError, "drop lr="),
     (
-      dict(kl_clip=None, factor_dtype=jnp.int32),
+      dict(step_norm="gradient", kl_clip=1e-3, lr=0.1),
+      ValueError,
+      "pass step_norm='natural' with kl_clip= and lr=",
+    ),
+    (
+      dict(step_norm="natural", factor_dtype=jnp.int32),
       TypeError,
       "factor_dtype must be a floating dtype",
     ),
-    (dict(kl_clip=None, max_cost_ratio=-1.0), ValueError, "max_cost_ratio must lie in"),
+    (dict(step_norm="natural", max_cost_ratio=-1.0), ValueError, "max_cost_ratio must lie in"),
   ],
 )
 def test_bad_hyperparameters_raise_at_construction(kwargs, error, match):
   with pytest.raises(error, match=match):
-    kaisa_jax.kfac(LAYERS, **({"kl_clip": None} | kwargs))
+    kaisa_jax.kfac(LAYERS, **({"step_norm": "natural"} | kwargs))
 
 
 @pytest.mark.parametrize(
@@ -84,7 +92,7 @@ def test_bad_hyperparameters_raise_at_construction(kwargs, error, match):
 def test_the_planner_refuses_what_kfac_refuses_with_the_same_message(kwargs):
   # One check (kaisa_jax.config.check_settings) serves both.
   with pytest.raises((TypeError, ValueError)) as by_kfac:
-    kaisa_jax.kfac(LAYERS, kl_clip=None, **kwargs)
+    kaisa_jax.kfac(LAYERS, step_norm="natural", **kwargs)
   with pytest.raises(by_kfac.type) as by_planner:
     kaisa_jax.plan_fractions(LAYERS, 2, kaisa_jax.DGX_A100, **kwargs)
   assert str(by_planner.value) == str(by_kfac.value)
@@ -92,7 +100,7 @@ def test_the_planner_refuses_what_kfac_refuses_with_the_same_message(kwargs):
 
 def test_layers_argument_is_required_and_checked():
   with pytest.raises(TypeError, match=r"grad_fn\.layers"):
-    kaisa_jax.kfac(PARAMS, kl_clip=None)
+    kaisa_jax.kfac(PARAMS, step_norm="natural")
 
 
 def test_bad_value_and_grad_arguments():
@@ -105,7 +113,7 @@ def test_bad_value_and_grad_arguments():
 
 
 def test_update_without_or_with_foreign_curvature_raises():
-  tx = kaisa_jax.kfac(LAYERS, kl_clip=None)
+  tx = kaisa_jax.kfac(LAYERS, step_norm="natural")
   state = tx.init(PARAMS)
   _, grads, _ = GRAD_FN(PARAMS, X)
   with pytest.raises(ValueError, match="needs the curvature"):
@@ -132,7 +140,7 @@ def test_update_without_or_with_foreign_curvature_raises():
 
 
 def test_chained_update_still_requires_curvature():
-  tx = optax.chain(kaisa_jax.kfac(LAYERS, kl_clip=None), optax.sgd(0.1))
+  tx = optax.chain(kaisa_jax.kfac(LAYERS, step_norm="natural"), optax.sgd(0.1))
   state = tx.init(PARAMS)
   _, grads, _ = GRAD_FN(PARAMS, X)
   with pytest.raises(ValueError, match="needs the curvature"):
@@ -146,7 +154,7 @@ def test_concrete_scalar_arrays_count_as_the_numbers_they_hold():
   _, grads, curvature = GRAD_FN(PARAMS, X)
 
   def four_steps(hyperparameters):
-    tx = kaisa_jax.kfac(LAYERS, kl_clip=None, **hyperparameters)
+    tx = kaisa_jax.kfac(LAYERS, step_norm="natural", **hyperparameters)
     state = tx.init(PARAMS)
     for _ in range(4):
       updates, state = tx.update(grads, state, PARAMS, curvature=curvature)

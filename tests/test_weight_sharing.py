@@ -323,7 +323,7 @@ def test_normalisation_sums_an_examples_uses_before_the_block(x64):
     )
     layers = grad_fn.layers(params, x)
     assert layers.specs[0].calls == (USES if by_calls else 1)
-    tx = kaisa_jax.kfac(layers, factor_dtype=F64, factor_decay=0.0, kl_clip=None)
+    tx = kaisa_jax.kfac(layers, factor_dtype=F64, factor_decay=0.0, step_norm="natural")
     _, grads, curvature = grad_fn(params, x)
     _, state = tx.update(grads, tx.init(params), params, curvature=curvature)
     block = kaisa_jax.layer_factors(tx.plan, state)["norm"].a  # (features, 2, 2)
