@@ -371,14 +371,19 @@ def _verdict(rows: dict[str, dict[str, float]], key: str, bound: float) -> str:
   text = f"met on {len(rows) - len(misses)} of {len(rows)}"
   if misses:
     # Three digits: a miss by 2 % must not read as the bound itself.
-    text += "; missed on " + ", ".join(f"{n} ({x:.3g}x)" for n, x in misses.items())
+    text += "; missed on " + ", ".join(
+      f"{n} ({x:.3g}x)" if math.isfinite(x) else f"{n} (diverged)" for n, x in misses.items()
+    )
   return text
 
 
 def targets(results: dict[str, Any], key: str = "tuned") -> str:
-  """Which problems meet each target, from K-FAC at its own tuned rate (``results[key]``)."""
+  """Which problems meet each target, from K-FAC at its own tuned rate (``results[key]``), and on
+  how many that rate is the baseline's."""
   rows = tuned_rows(results, key)
+  same = [n for n in rows if results["problems"][n][key]["lr"] == results["problems"][n]["lr"]]
   return (
+    f"- K-FAC's tuned learning rate is the baseline's on {len(same)} of {len(rows)}.\n"
     "- Target 1, K-FAC at its defaults (only the learning rate chosen, on the baseline's grid) at "
     "or below the "
     f"tuned baseline's final loss: {_verdict(rows, 'ratio', 1.0)}.\n"
