@@ -46,7 +46,7 @@ from jax.sharding import PartitionSpec as P
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kaisa_jax
 from benchmarks import generated
-from experiments import suite
+from experiments import optimizers, suite
 
 LR = 0.1
 # name -> kfac's arguments besides layers, lr and mesh (None: SGD alone).
@@ -56,8 +56,9 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
   "K-FAC, damping_form='kaisa', damping=1e-3": {"damping_form": "kaisa", "damping": 1e-3},
 }
 AXES = (kaisa_jax.RECEIVERS, kaisa_jax.GRAD_WORKERS)
-# K-FAC's step rule when the drift was measured: its own step under the KAISA reference's KL clip.
-FORMER_DEFAULTS = {"step_norm": "natural", "kl_clip": 1e-3, "lr": LR}
+# K-FAC's step rule when the drift was measured: its own step under the KAISA reference's KL clip
+# (the experiments' `STEP_RULE`), told the chained rate.
+FORMER_DEFAULTS = {**optimizers.STEP_RULE, "lr": LR}
 BLOCK = "device drift"
 
 

@@ -75,7 +75,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kaisa_jax
 from benchmarks import generated
-from experiments import suite
+from experiments import optimizers, suite
 from kaisa_jax import preconditioning
 
 RESULTS = Path(__file__).parent / "results" / "robustness.json"
@@ -88,8 +88,8 @@ FORMS = ("relative", "pi", "kaisa")
 LEARNING_RATES = {"sgd": (0.01, 0.03, 0.1, 0.3), "adamw": (3e-4, 1e-3, 3e-3, 1e-2)}
 MAX_EXTENSIONS = 3
 # The step rule the forms were compared under at the baseline's rate (step 2): the KAISA
-# reference's KL clip, the default when they were trained.
-FORMS_STEP = {"step_norm": "natural", "kl_clip": 1e-3}
+# reference's KL clip, the default when they were trained, as the experiments keep it.
+FORMS_STEP = optimizers.STEP_RULE
 
 
 def curvature_summary(stats: kaisa_jax.CurvatureStatistics) -> dict[str, float]:
@@ -592,8 +592,9 @@ def readme(results: dict[str, Any], rerun: dict[str, Any] | None = None) -> str:
   """K-FAC at its defaults against each tuned baseline, and the targets (README's block); with
   ``rerun``, the targets as read from it."""
   text = tuned_table(results) + "\n\n" + targets(results)
-  if rerun is not None and same_cpu(results, rerun):
-    text += "\n" + same_cpu(results, rerun)
+  line = same_cpu(results, rerun) if rerun is not None else ""
+  if line:
+    text += "\n" + line
   if rerun is not None:
     rows = tuned_rows(rerun, rerun_key(rerun))
     text += (
@@ -651,7 +652,7 @@ def report(results: dict[str, Any], rerun: dict[str, Any] | None = None) -> str:
       "baseline's; then each damping at that rate, over the baseline's:",
       tuned_table(results),
       targets(results)
-      + ("\n" + same_cpu(results, rerun) if rerun is not None and same_cpu(results, rerun) else ""),
+      + ("\n" + line if rerun is not None and (line := same_cpu(results, rerun)) else ""),
     ]
   if tuned and rerun is not None:
     parts += [
