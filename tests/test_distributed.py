@@ -54,7 +54,8 @@ def test_same_preconditioned_gradient_and_training_as_one_device(mode, model_nam
 
 
 def test_every_fraction_and_both_mappings_train_bit_for_bit_alike_with_many_layers():
-  """12 layers, KL clip on: the clip's sum over layers must not follow the device order."""
+  """12 layers, the default step rule: its sums over layers (the KL clip's among them, one stacked
+  reduction per stack) must not follow the device order."""
   fractions = distribution.valid_fractions(8)
   runs, orders = {}, set()
   for mode in ("shard_map", "pmap"):
