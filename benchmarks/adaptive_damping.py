@@ -10,14 +10,16 @@ on the same batch: ``lambda <- omega lambda`` when ``rho > 3/4`` (the quadratic 
 trusted), ``lambda <- lambda / omega`` when ``rho < 1/4``, with ``omega = (19/20)^T``. It costs
 one forward pass every ``T`` steps, at ``theta + delta``.
 
-This prototype builds it around `kaisa_jax.kfac` without changing the library: K-FAC's damping
-is injected (`optax.inject_hyperparams`) and its KL clip applied outside, with the same formula,
+It was measured under the KAISA reference's step rule, K-FAC's own step with a KL clip of 1e-3
+(`step_norm="natural"`), the library's default then. This prototype builds it around
+`kaisa_jax.kfac` without changing the library: K-FAC's damping is injected
+(`optax.inject_hyperparams`) and its KL clip applied outside, with the same formula,
 so that the clip's ``nu`` and ``s = g^T P g`` are at hand. For ``delta = -lr nu P g``, the damped
 K-FAC model gives ``M(delta) = -lr nu s + 1/2 (lr nu)^2 s``. The step then goes to the chained
 first-order optimizer, as in `experiments.suite`.
 
-For each model it trains K-FAC at its defaults and its tuned learning rate (from
-``benchmarks/results/robustness.json``, step 3 of ``benchmarks/robustness.py``) from each initial
+For each model it trains K-FAC under that rule at its tuned learning rate (from
+``benchmarks/results/robustness.json``, the tuning of that rule, ``tuned_kl_clip``) from each initial
 damping of `benchmarks.robustness.DAMPINGS`, with the damping fixed and adapted every ``T`` steps,
 and prints the final losses (the mean of the last 20 steps, over 3 seeds), their spread over the
 dampings, and the damping the adaptation ends at. Results go to
@@ -46,10 +48,10 @@ import kaisa_jax
 from benchmarks import generated, robustness
 from experiments import suite
 
-KL_CLIP = 1e-3  # kaisa_jax.kfac's default
+KL_CLIP = 1e-3  # the KAISA reference's
 PERIODS = (None, 1, 5)  # None: the damping stays fixed
 # kfac's arguments that decide its layout: static under inject_hyperparams.
-STATIC = ("layers", "kl_clip", "inv_update_steps", "max_cost_ratio", "grad_worker_fraction")
+STATIC = ("layers", "step_norm", "inv_update_steps", "max_cost_ratio", "grad_worker_fraction")
 BLOCK = "adaptive damping"
 
 
@@ -70,7 +72,7 @@ def make_run(problem: suite.Problem, period: int | None):
 
   def _run(params, state, order, lr, damping):
     kfac = optax.inject_hyperparams(kaisa_jax.kfac, static_args=STATIC)(
-      layers=layers, lr=lr, damping=damping, kl_clip=None
+      layers=layers, damping=damping, step_norm="natural"
     )
     first_order = suite.first_order(problem.optimizer, lr)
 
@@ -167,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
   }
   for name in args.problems:
     print(name, flush=True)
-    results["problems"][name] = measure(name, tuned[name]["tuned"]["lr"], args.seeds)
+    results["problems"][name] = measure(name, tuned[name]["tuned_kl_clip"]["lr"], args.seeds)
     generated.save("adaptive_damping.json", results)
   print(render(results))
   for path in generated.write(BLOCK, render(results)):

@@ -400,11 +400,21 @@ def _tuned_ratio(by_lr: dict[str, list[float]] | None, base: float) -> str:
   return f"{_ratio(mean(by_lr[repr(lr)]) / base)} (lr {lr:g})"
 
 
+# The step rules measured at the default damping with their own tuned rate (`tune_kfac`): the
+# default, each layer given its gradient's norm (``tuned``); one norm for all layers together, the
+# default before (``tuned_global``); and K-FAC's own step under the KAISA reference's KL clip, the
+# default before that (``tuned_kl_clip``).
+STEP_RULES = {
+  "tuned": "each layer's gradient norm (default)",
+  "tuned_global": "all layers' gradient norm as one",
+  "tuned_kl_clip": "natural, kl_clip 0.001 (KAISA)",
+}
+
+
 def clip_table(results: dict[str, Any]) -> str:
-  """K-FAC at its defaults (`tune_kfac`, the gradient's norm), and with K-FAC's own step
-  (``step_norm="natural"``) under each KL clip (the KAISA reference's 1e-3: ``tuned_kl_clip``, the
-  former default's runs; others: `tune_clip`), each at its own tuned rate, over the tuned
-  baseline."""
+  """K-FAC at its defaults and under the other step rules of `STEP_RULES`, then with K-FAC's own
+  step (``step_norm="natural"``) under each other KL clip (`tune_clip`), each at its own tuned
+  rate, over the tuned baseline; a rule not run on a problem is left empty."""
   measured = {
     name: r
     for name, r in results["problems"].items()
@@ -413,22 +423,43 @@ def clip_table(results: dict[str, Any]) -> str:
   keys = {k for r in measured.values() for k in r["kl_clip"]}
   clips = sorted(keys, key=lambda k: (k == "None", 0.0 if k == "None" else float(k)))
   lines = [
-    "| model | baseline: lr, final loss | gradient's norm (default) | natural, kl_clip 0.001 "
-    "(KAISA) | "
-    + " | ".join("natural, no clip" if k == "None" else f"natural, kl_clip {k}" for k in clips)
+    "| model | baseline: lr, final loss | "
+    + " | ".join(
+      [*STEP_RULES.values()]
+      + ["natural, no clip" if k == "None" else f"natural, kl_clip {k}" for k in clips]
+    )
     + " |",
-    "|---|---|---:|---:|" + "---:|" * len(clips),
+    "|---|---|" + "---:|" * (len(STEP_RULES) + len(clips)),
   ]
   for name, r in measured.items():
     base = mean(r["baseline"][repr(r["lr"])])
-    cells = [r["tuned"]["by_lr"], r["tuned_kl_clip"]["by_lr"]] + [
-      r["kl_clip"].get(k) for k in clips
-    ]
+    cells = [r[k]["by_lr"] if k in r else None for k in STEP_RULES]
+    cells += [r["kl_clip"].get(k) for k in clips]
     lines.append(
       f"| {name} | {r['optimizer']} {r['lr']:g}, {base:.3g} | "
       + " | ".join(_tuned_ratio(c, base) for c in cells)
       + " |"
     )
+  return "\n".join(lines)
+
+
+def rule_spread_table(results: dict[str, Any]) -> str:
+  """Per problem and step rule of `STEP_RULES`, at the rule's tuned rate: the worst over the best
+  final loss across `DAMPINGS` (`tuned_rows`), and the target's verdict per rule."""
+  rows = {key: tuned_rows(results, key) for key in STEP_RULES}
+  names = [n for n in results["problems"] if all(n in r for r in rows.values())]
+  lines = [
+    "| model | " + " | ".join(STEP_RULES.values()) + " |",
+    "|---|" + "---:|" * len(STEP_RULES),
+  ]
+  for name in names:
+    lines.append(
+      f"| {name} | " + " | ".join(_ratio(rows[k][name]["spread"]) for k in STEP_RULES) + " |"
+    )
+  within = " | ".join(
+    str(sum(rows[k][n]["spread"] <= 2.0 for n in names)) + f" of {len(names)}" for k in STEP_RULES
+  )
+  lines.append(f"| within 2x | {within} |")
   return "\n".join(lines)
 
 
@@ -662,11 +693,18 @@ def report(results: dict[str, Any], rerun: dict[str, Any] | None = None) -> str:
     ]
   if any("kl_clip" in r for r in results["problems"].values()):
     parts += [
-      'K-FAC at its defaults, then with K-FAC\'s own step length (`step_norm="natural"`) '
-      "under each KL clip (`kl_clip`; 1e-3 the KAISA reference's, this library's default before "
-      "the gradient's norm), each learning rate tuned by the same rule; each cell its final loss "
-      "over the baseline's, and its rate:",
+      "K-FAC at its defaults (each layer's step given its gradient's norm), with one norm for "
+      "all layers together (the default before), then with K-FAC's own step length "
+      '(`step_norm="natural"`) under each KL clip (`kl_clip`; 1e-3 the KAISA reference\'s, this '
+      "library's default before the gradient's norm), each learning rate tuned by the same rule; "
+      "each cell its final loss over the baseline's, and its rate:",
       clip_table(results),
+    ]
+  if any(all(k in r for k in STEP_RULES) for r in results["problems"].values()):
+    parts += [
+      "Worst over best final loss across dampings 1e-4 to 1e-1, each step rule at its own tuned "
+      "rate:",
+      rule_spread_table(results),
     ]
   forms = measured_forms(results)
   if not forms:  # a rerun (``--forms``): K-FAC at its own rate only

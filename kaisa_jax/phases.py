@@ -8,9 +8,9 @@ Each phase computes a stack as one batch (`kaisa_jax.stacking`); on the CPU,
 2. `decompose_factors`: each device decomposes the factors it owns
    (`kaisa_jax.preconditioning`); its grad-worker group receives them;
 3. `precondition_grads`: ``P = (A (x) G + damping)^-1 V`` for every layer, each
-   group its own layers, shared with the other groups; with their `Sums`;
-4. `step_scale`: ``nu``, by which the step takes the gradient's norm, or the
-   KL clip's ``nu = min(1, sqrt(kl_clip / |lr^2 sum <P, V>|))``;
+   group its own layers, shared with the other groups;
+4. `step_scale`: ``nu``, by which each layer's step takes its gradient's norm,
+   or the KL clip's ``nu = min(1, sqrt(kl_clip / |lr^2 sum <P, V>|))``;
 5. `write_back`: ``nu P`` written over each layer's update.
 
 Each device runs the branch of its own place on the grid (`jax.lax.switch`
@@ -501,39 +501,6 @@ def _received(plan: Plan, everyone: Array, matrices: Stacks) -> Stacks:
   return {tuple(m): stacking.select(received, m) for m in layout.all_stacks()}
 
 
-class Sums(NamedTuple):
-  """Sums over every preconditioned layer that the step's length is read from.
-
-  Attributes:
-    pv: ``sum <P, V>`` (the KL clip's).
-    pp: ``sum |P|^2``.
-    vv: ``sum |V|^2`` (``pp`` and ``vv``: the gradient-norm match's).
-  """
-
-  pv: Array
-  pp: Array
-  vv: Array
-
-
-def _sums(preconditioned: Stacks, matrices: Stacks, dtype: Any) -> Sums:
-  """`Sums` over every layer, summed stack by stack.
-
-  Summed stack by stack over the stacks of all layers, whatever the layout: the
-  float32 sums, and so the step's scale, are then bit for bit the same for every
-  grad worker fraction. One reduction per stack, of the three products stacked
-  (one kernel to compile per stack, as for one sum): XLA copies the additions
-  that produce the scale into every parameter's update, so a sum layer by layer
-  would cost compile time and work quadratic in the depth. A step that reads
-  none of the sums (``step_norm="natural"`` without a clip) computes none.
-  """
-  total = jnp.zeros([3], dtype)
-  for key, p in preconditioned.items():
-    v = matrices[key]
-    products = jnp.stack([p * v, p * p, v * v]).reshape(3, -1)
-    total = total + jnp.sum(products, axis=1)
-  return Sums(*total)
-
-
 def precondition_grads(
   plan: Plan,
   grads: dict[str, dict[str, Array]],
@@ -542,11 +509,11 @@ def precondition_grads(
   dtype: Any,
   comm: distribution.Collectives,
   offsets: Sequence[Array],
-) -> tuple[Stacks, Sums]:
-  """Phase 3: the preconditioned gradient matrices, stack by stack, and their `Sums`.
+) -> tuple[Stacks, Stacks]:
+  """Phase 3: the preconditioned gradient matrices, stack by stack, and the gradients'.
 
-  Returns ``P`` per stack of `assignment.Layout.all_stacks` (keyed by its
-  members, ``(k, groups, a_dim, g_dim)``) and the sum. Each group
+  Returns ``P`` and ``V`` per stack of `assignment.Layout.all_stacks` (keyed by
+  its members, ``(k, groups, a_dim, g_dim)``). Each group
   preconditions its own layers, one batched product per stack of equal
   shapes (on the CPU member by member, in a loop for a deep stack, see
   `kaisa_jax.cpu_loop`; ``offsets`` are `KFACState.stack_offsets`); the
@@ -562,36 +529,65 @@ def precondition_grads(
   with jax.named_scope(GRADIENT_SHARING):
     everyone = comm.gather_receivers(mine)
   preconditioned = _received(plan, everyone, matrices)
-  return preconditioned, _sums(preconditioned, matrices, dtype)
+  return preconditioned, matrices
 
 
 # ---------------------------------------------------- 4. step scale, 5. write-back
 
 
+def _member_sums(products: Sequence[Array]) -> Array:
+  """``(len(products), k)``: each product summed over each member of its stack.
+
+  One reduction per stack, of the products stacked (one kernel to compile per
+  stack, as for one sum).
+  """
+  k = products[0].shape[0]
+  return jnp.sum(jnp.stack(products).reshape(len(products), k, -1), axis=2)
+
+
+def _per_member(values: Array, stacked: Array) -> Array:
+  """``values`` of shape ``(k,)`` shaped to scale the ``k`` members of ``stacked``."""
+  return values.reshape(-1, *[1] * (stacked.ndim - 1))
+
+
 def step_scale(
   in_order: Array,
-  sums: Sums,
+  preconditioned: Stacks,
+  matrices: Stacks,
   step_norm: str,
   kl_clip: hp.ScalarOrSchedule | None,
   lr: hp.ScalarOrSchedule | None,
   step: Array,
   dtype: Any,
-) -> Array:
-  """Phase 4: the scale ``nu`` of the preconditioned updates, times ``in_order``.
+) -> tuple[Stacks, Array]:
+  """Phase 4: the scale ``nu`` of each stack's preconditioned updates, times ``in_order``.
 
-  ``step_norm="gradient"``: ``nu = sqrt(sum |V|^2 / sum |P|^2)``; ``"natural"``:
-  the KL clip's ``nu = min(1, sqrt(kl_clip / |lr^2 sum <P, V>|))``, or 1
+  ``step_norm="gradient"``: each layer's own ``nu = |V| / |P|``, one per
+  member of each stack; ``"natural"``: the KL clip's
+  ``nu = min(1, sqrt(kl_clip / |lr^2 sum <P, V>|))`` over every layer, or 1
   without a clip (`kaisa_jax.preconditioning`). ``in_order`` is the chain
   check's exact 1 (`kaisa_jax.chain_order`): the product leaves every bit of
   ``nu`` as it was.
+
+  Also returns the preconditioned layers' update norm over K-FAC's own,
+  ``|nu P| / |P|`` over all of them (the state's ``kl_scale``): the KL clip's
+  ``nu``, or ``sqrt(sum |V|^2 / sum |P|^2)``. Each sum is taken stack by stack,
+  whatever the layout, so every ``nu`` is bit for bit the same for every grad
+  worker fraction.
   """
   if step_norm == preconditioning.GRADIENT:
-    return in_order * preconditioning.gradient_norm_scale(sums.pp, sums.vv)
-  if kl_clip is None:
-    return in_order
-  return in_order * preconditioning.kl_clip_scale(
-    sums.pv, hp.at(kl_clip, step, dtype), hp.at(lr, step, dtype)
-  )
+    sums = {key: _member_sums([p * p, matrices[key] ** 2]) for key, p in preconditioned.items()}
+    scales = {
+      key: in_order * _per_member(preconditioning.gradient_norm_scale(pp, vv), preconditioned[key])
+      for key, (pp, vv) in sums.items()
+    }
+    pp, vv = sum(jnp.sum(s, axis=1) for s in sums.values())
+    return scales, preconditioning.gradient_norm_scale(pp, vv)
+  nu = in_order
+  if kl_clip is not None:
+    pv = sum(jnp.sum(p * matrices[key]) for key, p in preconditioned.items())
+    nu = nu * preconditioning.kl_clip_scale(pv, hp.at(kl_clip, step, dtype), hp.at(lr, step, dtype))
+  return {key: nu for key in preconditioned}, nu
 
 
 def write_back(
@@ -599,10 +595,12 @@ def write_back(
   updates: Any,
   grads: dict[str, dict[str, Array]],
   preconditioned: Stacks,
-  nu: Array,
+  scales: Stacks,
   offsets: Sequence[Array],
 ) -> Any:
   """Phase 5: ``updates`` with each layer's weight and bias replaced by those of ``nu P``.
+
+  ``scales``: each stack's ``nu`` (`step_scale`).
 
   Each stack is turned back into parameter shapes as one batch; each member
   is read out at its runtime offset and cast to its gradient's dtype. Every
@@ -611,7 +609,9 @@ def write_back(
   replacements: parameters.Replacements = {}
   for members, p in preconditioned.items():
     first = plan.layers[members[0]][0]  # members share their shapes
-    stacked = stacking.vmap(lambda v, spec=first: layers_lib.from_matrix(spec, v), nu * p)
+    stacked = stacking.vmap(
+      lambda v, spec=first: layers_lib.from_matrix(spec, v), scales[members] * p
+    )
     for j, i in enumerate(members):
       spec = plan.layers[i][0]
       for key, value in stacked.items():

@@ -43,9 +43,9 @@ counts as 1) and ``lambda`` the ``damping`` hyperparameter:
 A side may be kept diagonal (its factor is then a vector of the diagonal):
 its basis is the identity and its eigenvalues are the diagonal itself.
 
-The step's length (``step_norm``): with ``"gradient"`` (the default) the
-preconditioned layers' update ``nu P`` is rescaled to the norm of their
-gradients, ``nu = |V| / |P|`` over all of them (`gradient_norm_scale`); with
+The step's length (``step_norm``): with ``"gradient"`` (the default) each
+preconditioned layer's update ``nu P`` is rescaled to the norm of its
+gradient, ``nu = |V| / |P|`` layer by layer (`gradient_norm_scale`); with
 ``"natural"`` it keeps K-FAC's own length, ``nu = 1``, or with a KL clip
 ``nu = min(1, sqrt(kl_clip / |lr^2 sum <P, V>|))`` (`kl_clip_scale`, the KAISA
 reference's).
@@ -80,9 +80,10 @@ DAMPING_FORMS = (PI, RELATIVE, KAISA)
 DEFAULT_FORM = PI
 DEFAULT_DAMPING = 0.1
 
-# How long a step is (`gradient_norm_scale`, `kl_clip_scale`): the gradient's norm (the default:
-# on the same models, at or below the baselines on more of them than the KL clip), or K-FAC's own,
-# bounded by the KL clip if one is set.
+# How long a step is (`gradient_norm_scale`, `kl_clip_scale`): each layer's gradient's norm (the
+# default: on the same models, at or below the baselines on more of them than the KL clip, and
+# flatter over the damping than one norm for all layers), or K-FAC's own, bounded by the KL clip
+# if one is set.
 GRADIENT = "gradient"
 NATURAL = "natural"
 STEP_NORMS = (GRADIENT, NATURAL)
@@ -237,12 +238,13 @@ def precondition(
 
 
 def gradient_norm_scale(pp_sum: Array, vv_sum: Array) -> Array:
-  """``nu = sqrt(sum_layers |V|^2 / sum_layers |P|^2)``; 1 when ``sum |P|^2`` is 0.
+  """``nu = sqrt(|V|^2 / |P|^2)``, elementwise over layers; 1 where ``|P|^2`` is 0.
 
-  ``nu P`` has the norm of the gradients ``V`` it was computed from: K-FAC
-  gives the step its direction and the gradient its length (grafting, Agarwal
-  et al. 2020), so the chained optimizer's learning rate means what it means
-  without K-FAC. Like `kl_clip_scale`, the square root comes last.
+  ``nu P`` has the norm of the gradient ``V`` it was computed from: K-FAC
+  gives a layer's step its direction and the gradient its length (grafting,
+  Agarwal et al. 2020, layer by layer), so the chained optimizer's learning
+  rate means what it means without K-FAC. Like `kl_clip_scale`, the square
+  root comes last.
   """
   ratio = jnp.where(pp_sum > 0, vv_sum / jnp.where(pp_sum > 0, pp_sum, 1.0), 1.0)
   return jnp.sqrt(ratio)

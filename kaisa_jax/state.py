@@ -39,9 +39,11 @@ class KFACState(NamedTuple):
       were not finite (NaN or Inf in the activations or output gradients).
     failed_decompositions: decompositions of one factor that failed or came
       back not finite; each kept that factor's last good decomposition.
-    kl_scale: the scale ``nu`` of the last step's preconditioned updates
-      (`kaisa_jax.preconditioning`: the gradient-norm match's, or the KL
-      clip's; 1 at init, and with ``step_norm="natural"`` and no clip);
+    kl_scale: the length of the last step's preconditioned updates over
+      K-FAC's own, ``|nu P| / |P|`` over all layers (`kaisa_jax.phases.step_scale`:
+      ``sqrt(sum |V|^2 / sum |P|^2)`` when each layer takes its gradient's
+      norm, or the KL clip's ``nu``; 1 at init, and with ``step_norm="natural"``
+      and no clip);
       `kaisa_jax.curvature_statistics` reports it.
     refresh: decompose at the next step whatever the cadence (set when a
       checkpoint is restored with another treatment of some layer).

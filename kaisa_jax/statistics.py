@@ -101,9 +101,9 @@ class CurvatureStatistics(NamedTuple):
   Attributes:
     layers: `LayerStatistics` by layer name.
     damping: the damping the statistics use (that of the last step).
-    kl_scale: the scale ``nu`` of the last step's preconditioned updates (the
-      gradient-norm match's or the KL clip's; 1 with ``step_norm="natural"``
-      and no clip).
+    kl_scale: the length of the last step's preconditioned updates over
+      K-FAC's own, ``|nu P| / |P|`` over all layers (`KFACState.kl_scale`; 1
+      with ``step_norm="natural"`` and no clip).
     steps: K-FAC steps taken.
     skipped_factor_updates: factor updates skipped for non-finite factors.
     failed_decompositions: decompositions that failed (each kept the last good one).

@@ -76,8 +76,8 @@ def test_kfac_at_its_defaults_is_tuned_like_the_baseline():
 
 def test_clip_table_compares_each_clips_best_rate_with_the_baseline():
   """Each column is its best rate's final loss over the tuned baseline's: K-FAC's own tuning at
-  its defaults, then the KAISA clip's (the former defaults' tuning), then each other clip, no
-  clip last; a clip not run on a problem is left empty."""
+  its defaults, then one norm for all layers and the KAISA clip (the former defaults' tunings),
+  then each other clip, no clip last; a rule not run on a problem is left empty."""
   robustness = _benchmark()
   results = {
     "problems": {
@@ -94,6 +94,7 @@ def test_clip_table_compares_each_clips_best_rate_with_the_baseline():
         "lr": 0.1,
         "baseline": {"0.1": [1.0]},
         "tuned": {"by_lr": {"0.03": [3.0]}},
+        "tuned_global": {"by_lr": {"0.1": [0.5], "0.3": [0.75]}},
         "tuned_kl_clip": {"by_lr": {"0.3": [0.25]}},
         "kl_clip": {"0.01": {"0.1": [0.5]}, "1e-05": {"0.1": [2.0]}},
       },
@@ -101,13 +102,56 @@ def test_clip_table_compares_each_clips_best_rate_with_the_baseline():
   }
   lines = robustness.clip_table(results).splitlines()
   assert lines[0] == (
-    "| model | baseline: lr, final loss | gradient's norm (default) | natural, kl_clip 0.001 "
-    "(KAISA) | natural, kl_clip 1e-05 | natural, kl_clip 0.01 | natural, no clip |"
+    "| model | baseline: lr, final loss | each layer's gradient norm (default) | all layers' "
+    "gradient norm as one | natural, kl_clip 0.001 (KAISA) | natural, kl_clip 1e-05 | natural, "
+    "kl_clip 0.01 | natural, no clip |"
   )
-  assert lines[2] == "| a | sgd 0.3, 2 | 1 (lr 0.1) | 3 (lr 0.1) |  | 0.25 (lr 0.3) | 4 (lr 0.1) |"
-  assert (
-    lines[3] == "| b | sgd 0.1, 1 | 3 (lr 0.03) | 0.25 (lr 0.3) | 2 (lr 0.1) | 0.5 (lr 0.1) |  |"
+  assert lines[2] == (
+    "| a | sgd 0.3, 2 | 1 (lr 0.1) |  | 3 (lr 0.1) |  | 0.25 (lr 0.3) | 4 (lr 0.1) |"
   )
+  assert lines[3] == (
+    "| b | sgd 0.1, 1 | 3 (lr 0.03) | 0.5 (lr 0.1) | 0.25 (lr 0.3) | 2 (lr 0.1) | 0.5 (lr 0.1) |  |"
+  )
+
+
+def test_rule_spread_table_gives_each_rules_worst_over_best_damping():
+  """Per step rule, the worst over the best mean final loss across the dampings (a diverged
+  damping named), and on how many problems it is within 2x."""
+  robustness = _benchmark()
+
+  def tuned(*finals):
+    return {"dampings": {repr(d): [f] for d, f in zip(robustness.DAMPINGS, finals, strict=True)}}
+
+  inf = float("inf")
+  results = {
+    "problems": {
+      "a": {
+        "lr": 0.1,
+        "baseline": {"0.1": [1.0]},
+        "tuned": tuned(1.0, 1.5, 1.0, 1.0),
+        "tuned_global": tuned(1.0, 3.0, 2.0, 1.5),
+        "tuned_kl_clip": tuned(2.0, 4.0, 1.0, 1.0),
+      },
+      "b": {
+        "lr": 0.1,
+        "baseline": {"0.1": [1.0]},
+        "tuned": tuned(0.5, 0.5, 0.5, 0.25),
+        "tuned_global": tuned(inf, 1.0, 1.0, 1.0),
+        "tuned_kl_clip": tuned(1.0, 1.0, 1.0, 1.0),
+      },
+      "c": {"lr": 0.1, "baseline": {"0.1": [1.0]}, "tuned": tuned(1.0, 1.0, 1.0, 1.0)},
+    }
+  }
+  lines = robustness.rule_spread_table(results).splitlines()
+  assert lines[0] == (
+    "| model | each layer's gradient norm (default) | all layers' gradient norm as one | "
+    "natural, kl_clip 0.001 (KAISA) |"
+  )
+  assert lines[2:] == [
+    "| a | 1.5 | 3 | 4 |",
+    "| b | 2 | diverged | 1 |",
+    "| within 2x | 2 of 2 | 0 of 2 | 1 of 2 |",
+  ]
 
 
 def test_a_rerun_on_another_cpu_is_shown_beside_the_first_run():
