@@ -123,12 +123,22 @@ def replicate(tree, devices, axis_name: str):
   return jax.device_put(jax.tree.map(lambda a: jnp.stack([a] * len(devices)), tree), placed)
 
 
-def build(model_name: str, mode: str, n: int, grad_worker_fraction: str, steps: int, chained: bool):
+def build(
+  model_name: str,
+  mode: str,
+  n: int,
+  grad_worker_fraction: str,
+  steps: int,
+  chained: bool,
+  step_rule: tuple[tuple[str, object], ...] = (),
+):
   """The jitted step, its initial ``(params, state)``, the per-step inputs and the K-FAC transform.
 
   ``chained`` trains K-FAC chained with SGD momentum; otherwise the update is
-  K-FAC's preconditioned gradient alone.
+  K-FAC's preconditioned gradient alone. ``step_rule``: `kaisa_jax.kfac`'s
+  arguments besides `KFAC` (``step_norm``, ``kl_clip``, ``lr``), as pairs.
   """
+  config = KFAC | dict(step_rule)
   model = MODELS[model_name]
   xs, ys = batches(steps)
   params = initial_params(model_name)
@@ -141,17 +151,17 @@ def build(model_name: str, mode: str, n: int, grad_worker_fraction: str, steps: 
   layers = grad_fn.layers(params, xs[0][:local], ys[0][:local])
   devices = jax.devices()[:n]
   if mode == "single":
-    kfac = kaisa_jax.kfac(layers, **KFAC)
+    kfac = kaisa_jax.kfac(layers, **config)
   elif mode == "shard_map":
     mesh = kaisa_jax.make_mesh(fraction(grad_worker_fraction), devices)
-    kfac = kaisa_jax.kfac(layers, mesh=mesh, **KFAC)
+    kfac = kaisa_jax.kfac(layers, mesh=mesh, **config)
   else:
     kfac = kaisa_jax.kfac(
       layers,
       axis_name="batch",
       axis_size=n,
       grad_worker_fraction=fraction(grad_worker_fraction),
-      **KFAC,
+      **config,
     )
   tx = optax.chain(kfac, optax.sgd(0.1, momentum=0.9)) if chained else kfac
 
@@ -197,10 +207,18 @@ def build(model_name: str, mode: str, n: int, grad_worker_fraction: str, steps: 
   return fn, (params, state), inputs, kfac
 
 
-def run(model_name: str, mode: str, n: int, grad_worker_fraction: str, steps: int, chained: bool):
+def run(
+  model_name: str,
+  mode: str,
+  n: int,
+  grad_worker_fraction: str,
+  steps: int,
+  chained: bool,
+  step_rule: tuple[tuple[str, object], ...] = (),
+):
   """Trains ``steps`` steps; returns ``(first update, final params, kfac)`` (see `build`)."""
   fn, (params, state), inputs, kfac = build(
-    model_name, mode, n, grad_worker_fraction, steps, chained
+    model_name, mode, n, grad_worker_fraction, steps, chained, step_rule
   )
   first = None
   for x, y in inputs:

@@ -53,21 +53,35 @@ def test_same_preconditioned_gradient_and_training_as_one_device(mode, model_nam
     np.testing.assert_array_equal(a, b)
 
 
-def test_every_fraction_and_both_mappings_train_bit_for_bit_alike_with_many_layers():
-  """12 layers, the default step rule: its sums over layers (the KL clip's among them, one stacked
-  reduction per stack) must not follow the device order."""
+KL_CLIP = (("step_norm", "natural"), ("kl_clip", 1e-2), ("lr", 0.1))
+
+
+@pytest.mark.parametrize(
+  "step_rule, modes",
+  [((), ("shard_map", "pmap")), (KL_CLIP, ("pmap",))],
+  ids=["each-layer-norm", "kl-clip"],
+)
+def test_every_fraction_and_both_mappings_train_bit_for_bit_alike_with_many_layers(
+  step_rule, modes
+):
+  """12 layers: each step rule's sums (each layer's norms, one reduction per stack; the KL clip's
+  sum over every layer) must not follow the device order. The clip runs under ``pmap``, where XLA
+  once fused sums differently for different fractions."""
   fractions = distribution.valid_fractions(8)
   runs, orders = {}, set()
-  for mode in ("shard_map", "pmap"):
+  for mode in modes:
     for fraction in fractions:
-      _, params, kfac = run("deep", mode, 8, fraction, 4, chained=True)
+      _, params, kfac = run("deep", mode, 8, fraction, 4, chained=True, step_rule=step_rule)
       runs[mode, fraction] = params
       layout = kfac.plan.layout
       orders.add(tuple(i for r in range(layout.rows) for i in layout.group(r)))
   assert len(kfac.plan.layers) == 12 and kfac.plan.layers[0][0].kind == "conv"
   assert len(orders) > 2  # the fractions really order the layers differently
-  reference = runs["shard_map", "1"]
+  reference = runs[modes[0], "1"]
   assert relative_error(reference, jax.tree.map(np.asarray, initial_params("deep"))) > 1e-2
+  if step_rule:  # the clip binds, so its sum reaches the parameters
+    fn, (params, state), inputs, _ = build("deep", "single", 1, "1", 1, True, step_rule)
+    assert float(fn(params, state, *inputs[0])[1][0].kl_scale) < 1
   for key, params in runs.items():
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(reference), strict=True):
       np.testing.assert_array_equal(a, b, err_msg=str(key))
