@@ -76,8 +76,8 @@ def _check_step_norm(step_norm: str, kl_clip: Any, lr: Any) -> None:
   if step_norm == preconditioning.GRADIENT and kl_clip is not None:
     raise ValueError(
       "kl_clip bounds K-FAC's own step, but step_norm='gradient' (the default) gives each "
-      "layer's step its gradient's norm already: pass step_norm='natural' with kl_clip= and lr= (the KAISA "
-      "reference's rule), or drop kl_clip"
+      "layer's step its gradient's norm already: pass step_norm='natural' with kl_clip= and "
+      "lr= (the KAISA reference's rule), or drop kl_clip"
     )
   if kl_clip is not None and lr is None:
     raise ValueError(
