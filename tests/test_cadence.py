@@ -160,7 +160,10 @@ def test_the_default_step_gives_each_layer_its_gradients_norm(x64):
   p, _ = natural.update(grads, natural.init(params), params, curvature=curvature)
   u, state = default.update(grads, default.init(params), params, curvature=curvature)
   p, u, v = _by_layer(p), _by_layer(u), _by_layer(grads)
-  square = lambda leaves: sum(np.sum(np.square(a)) for a in leaves)  # noqa: E731
+
+  def square(leaves):
+    return sum(np.sum(np.square(a)) for a in leaves)
+
   nus = {name: np.sqrt(square(v[name]) / square(p[name])) for name in v}
   assert len(nus) > 1 and np.ptp(list(nus.values())) > 1e-2  # the layers' scales differ
   for name, nu in nus.items():
