@@ -19,10 +19,10 @@ K-FAC model gives ``M(delta) = -lr nu s + 1/2 (lr nu)^2 s``. The step then goes 
 first-order optimizer, as in `experiments.suite`.
 
 For each model it trains K-FAC under that rule at its tuned learning rate (from
-``benchmarks/results/robustness.json``, the tuning of that rule, ``tuned_kl_clip``) from each initial
-damping of `benchmarks.robustness.DAMPINGS`, with the damping fixed and adapted every ``T`` steps,
-and prints the final losses (the mean of the last 20 steps, over 3 seeds), their spread over the
-dampings, and the damping the adaptation ends at. Results go to
+``benchmarks/results/robustness.json``, the tuning of that rule, ``tuned_kl_clip``) from each
+initial damping of `benchmarks.robustness.DAMPINGS`, with the damping fixed and adapted every
+``T`` steps, and prints the final losses (the mean of the last 20 steps, over 3 seeds), their
+spread over the dampings, and the damping the adaptation ends at. Results go to
 ``benchmarks/results/adaptive_damping.json``.
 
 Run: ``python benchmarks/adaptive_damping.py [--problems gru lstm nnx_mlp resnet_bn]`` (about 15
