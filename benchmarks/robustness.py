@@ -160,17 +160,25 @@ def best_lr(by_lr: dict[str, list[float]]) -> float:
 
 def tune_kfac(problem: suite.Problem, seeds: int, log) -> dict[str, Any]:
   """K-FAC at its defaults (`kaisa_jax.kfac` given only ``layers`` and ``lr``): its learning rate
-  tuned by the baseline's rule (`tune_lr`), then every damping of `DAMPINGS` at that rate."""
+  tuned by the baseline's rule (`tune_lr`) at the default damping, then every damping of
+  `DAMPINGS` at that rate, each with the curvature after its runs' last step (the default's runs
+  trained again for it: the same program, seeds and rate, so the same losses)."""
   run = suite.make_run(problem, {})
   default = preconditioning.DEFAULT_DAMPING
   by_lr = tune_lr(run, problem, seeds, log, "kfac (defaults)", default)
   lr = best_lr(by_lr)
-  dampings = {repr(default): by_lr[repr(lr)]}
-  for d in DAMPINGS:
-    if repr(d) not in dampings:
-      dampings[repr(d)] = train_seeds(run, problem, seeds, lr, d)[0]
-      log(f"  kfac (defaults) lr={lr:g} damping={d:g}: {mean(dampings[repr(d)]):.4g}")
-  return {"by_lr": by_lr, "lr": lr, "dampings": dampings, "machine": machine()}
+  dampings, curvature = {}, {}
+  for d in sorted({*DAMPINGS, default}):
+    dampings[repr(d)], curvature[repr(d)] = train_seeds(run, problem, seeds, lr, d)
+    log(f"  kfac (defaults) lr={lr:g} damping={d:g}: {mean(dampings[repr(d)]):.4g}")
+  return {
+    "by_lr": by_lr,
+    "lr": lr,
+    "damping": default,
+    "dampings": dampings,
+    "curvature": curvature,
+    "machine": machine(),
+  }
 
 
 def tune_clip(problem: suite.Problem, seeds: int, log, kl_clip: float | None) -> dict[str, Any]:
@@ -337,7 +345,7 @@ def tuned_rows(results: dict[str, Any], key: str = "tuned") -> dict[str, dict[st
       t = r[key]
       base = mean(r["baseline"][repr(r["lr"])])
       finals = [mean(t["dampings"][repr(d)]) for d in DAMPINGS]
-      default = mean(t["dampings"][repr(preconditioning.DEFAULT_DAMPING)])
+      default = mean(t["dampings"][repr(t["damping"])])
       rows[name] = {
         "ratios": [f / base for f in finals],
         "ratio": default / base,
@@ -349,7 +357,6 @@ def tuned_rows(results: dict[str, Any], key: str = "tuned") -> dict[str, dict[st
 def tuned_table(results: dict[str, Any]) -> str:
   """K-FAC at its defaults, at its own tuned rate, against the tuned baseline; and over the
   dampings at that rate."""
-  default = preconditioning.DEFAULT_DAMPING
   rows = tuned_rows(results)
   lines = [
     "| model | baseline: lr, final loss (seeds' range) | K-FAC: lr, final loss (seeds' range) "
@@ -362,7 +369,7 @@ def tuned_table(results: dict[str, Any]) -> str:
     cells = [_ratio(x) for x in row["ratios"]]
     lines.append(
       f"| {name} | {r['optimizer']} {r['lr']:g}, {_with_range(r['baseline'][repr(r['lr'])])} "
-      f"| {t['lr']:g}, {_with_range(t['dampings'][repr(default)])} | {_ratio(row['ratio'])} | "
+      f"| {t['lr']:g}, {_with_range(t['dampings'][repr(t['damping'])])} | {_ratio(row['ratio'])} | "
       + " | ".join(cells)
       + f" | {_ratio(row['spread'])} |"
     )
@@ -404,15 +411,38 @@ def _tuned_ratio(by_lr: dict[str, list[float]] | None, base: float) -> str:
   return f"{_ratio(mean(by_lr[repr(lr)]) / base)} (lr {lr:g})"
 
 
-# The step rules measured at the default damping with their own tuned rate (`tune_kfac`): the
-# default, each layer given its gradient's norm (``tuned``); one norm for all layers together, the
-# default before (``tuned_global``); and K-FAC's own step under the KAISA reference's KL clip, the
-# default before that (``tuned_kl_clip``).
+# The step rules measured with their own tuned rate (`tune_kfac`), each at the damping its entry
+# records: the default, each layer given its gradient's norm (``tuned``), and the same with its rate
+# tuned at a damping of 0.01 instead (``tuned_0.01``); one norm for all layers together, the default before
+# (``tuned_global``); and K-FAC's own step under the KAISA reference's KL clip, the default before
+# that (``tuned_kl_clip``).
+# The tunings at the default step rule (`STEP_RULES`): the rate tuned at the default damping and
+# at 0.01.
+DEFAULT_RULE_TUNINGS = ("tuned", "tuned_0.01")
 STEP_RULES = {
   "tuned": "each layer's gradient norm (default)",
+  "tuned_0.01": "each layer's gradient norm",
   "tuned_global": "all layers' gradient norm as one",
   "tuned_kl_clip": "natural, kl_clip 0.001 (KAISA)",
 }
+
+
+def tuned_damping(results: dict[str, Any], key: str = "tuned") -> float | None:
+  """The damping at which the runs under ``key`` were tuned (the same on every problem), or
+  ``None`` where no problem has them."""
+  found = {r[key]["damping"] for r in results["problems"].values() if key in r}
+  if len(found) > 1:
+    raise ValueError(f"the runs under {key!r} were tuned at several dampings: {sorted(found)}")
+  return found.pop() if found else None
+
+
+def _rule_labels(results: dict[str, Any]) -> list[str]:
+  """Each step rule of `STEP_RULES` with the damping its rate was tuned at."""
+  dampings = {k: tuned_damping(results, k) for k in STEP_RULES}
+  return [
+    label if dampings[k] is None else f"{label}, damping {dampings[k]:g}"
+    for k, label in STEP_RULES.items()
+  ]
 
 
 def clip_table(results: dict[str, Any]) -> str:
@@ -426,11 +456,15 @@ def clip_table(results: dict[str, Any]) -> str:
   }
   keys = {k for r in measured.values() for k in r["kl_clip"]}
   clips = sorted(keys, key=lambda k: (k == "None", 0.0 if k == "None" else float(k)))
+  damping = {r["kl_clip_damping"] for r in measured.values()}
+  if len(damping) > 1:
+    raise ValueError(f"the KL clips were tuned at several dampings: {sorted(damping)}")
+  at = f", damping {damping.pop():g}" if damping else ""
   lines = [
     "| model | baseline: lr, final loss | "
     + " | ".join(
-      [*STEP_RULES.values()]
-      + ["natural, no clip" if k == "None" else f"natural, kl_clip {k}" for k in clips]
+      _rule_labels(results)
+      + [("natural, no clip" if k == "None" else f"natural, kl_clip {k}") + at for k in clips]
     )
     + " |",
     "|---|---|" + "---:|" * (len(STEP_RULES) + len(clips)),
@@ -453,7 +487,7 @@ def rule_spread_table(results: dict[str, Any]) -> str:
   rows = {key: tuned_rows(results, key) for key in STEP_RULES}
   names = [n for n in results["problems"] if all(n in r for r in rows.values())]
   lines = [
-    "| model | " + " | ".join(STEP_RULES.values()) + " |",
+    "| model | " + " | ".join(_rule_labels(results)) + " |",
     "|---|" + "---:|" * len(STEP_RULES),
   ]
   for name in names:
@@ -470,7 +504,7 @@ def rule_spread_table(results: dict[str, Any]) -> str:
 
 def _median_ratio(r: dict[str, Any], key: str) -> float:
   """K-FAC tuned (``r[key]``) over the tuned baseline, each the median of its seeds' final losses."""
-  kfac = r[key]["dampings"][repr(preconditioning.DEFAULT_DAMPING)]
+  kfac = r[key]["dampings"][repr(r[key]["damping"])]
   return float(np.median(kfac) / np.median(r["baseline"][repr(r["lr"])]))
 
 
@@ -525,7 +559,7 @@ def run_pairs(results: dict[str, Any], rerun: dict[str, Any]) -> list[tuple[floa
       continue
     groups = [(a["baseline"], b["baseline"]), (a[key]["by_lr"], b[key]["by_lr"])]
     if a[key]["lr"] == b[key]["lr"]:  # the default's runs are by_lr's: not twice
-      default = repr(preconditioning.DEFAULT_DAMPING)
+      default = repr(a[key]["damping"])
       groups.append(
         tuple({k: v for k, v in t["dampings"].items() if k != default} for t in (a[key], b[key]))
       )
@@ -609,11 +643,11 @@ def same_cpu(results: dict[str, Any], rerun: dict[str, Any]) -> str:
     return ""
   if any(r["tuned"].get("machine") != cpu for r in problems.values()):
     return ""
-  default = repr(preconditioning.DEFAULT_DAMPING)
   means, medians = {}, {}
   for n, r in problems.items():
     b = rerun["problems"][n]
-    kfac, base = r["tuned"]["dampings"][default], b["baseline"][repr(b["lr"])]
+    kfac = r["tuned"]["dampings"][repr(r["tuned"]["damping"])]
+    base = b["baseline"][repr(b["lr"])]
     means[n] = {"ratio": mean(kfac) / mean(base)}
     medians[n] = {"ratio": float(np.median(kfac) / np.median(base))}
   return (
@@ -646,17 +680,31 @@ def readme(results: dict[str, Any], rerun: dict[str, Any] | None = None) -> str:
 DECADES = (1e-6, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0, 1e3, 1e4)
 
 
-def curvature_table(results: dict[str, Any], key: str) -> str:
-  """K-FAC runs grouped by ``key`` (the smallest or largest relative damping over the layers
-  after the last step): how many, and how their final loss compares with the baseline's."""
-  groups: dict[int, list[float]] = {}
+def _curvature_runs(results: dict[str, Any], source: str):
+  """Each K-FAC run's final loss over its baseline's and its curvature after the last step: the
+  forms' runs at the baseline's rate (``source="forms"``) or those at the default step rule at
+  their own tuned rates (``"tuned"``: every tuning of `DEFAULT_RULE_TUNINGS` that recorded it)."""
   for r in results["problems"].values():
     base = mean(r["baseline"][repr(r["lr"])])
-    for form, by_damping in r.get("curvature", {}).items():
-      for d, runs in by_damping.items():
-        for loss, c in zip(r["kfac"][form][d], runs, strict=True):
-          at = int(np.searchsorted(DECADES, c[key], side="right"))
-          groups.setdefault(at, []).append(loss / base)
+    if source == "tuned":
+      keys = [k for k in DEFAULT_RULE_TUNINGS if "curvature" in r.get(k, {})]
+      by_damping = {k: (r[k]["curvature"], r[k]["dampings"]) for k in keys}
+    else:
+      by_damping = {f: (c, r["kfac"][f]) for f, c in r.get("curvature", {}).items()}
+    for curvature, losses in by_damping.values():
+      for d, runs in curvature.items():
+        for loss, c in zip(losses[d], runs, strict=True):
+          yield loss / base, c
+
+
+def curvature_table(results: dict[str, Any], key: str, source: str = "forms") -> str:
+  """K-FAC runs of ``source`` (`_curvature_runs`) grouped by ``key`` (the smallest or largest
+  relative damping over the layers after the last step): how many, and how their final loss
+  compares with the baseline's."""
+  groups: dict[int, list[float]] = {}
+  for ratio_, c in _curvature_runs(results, source):
+    at = int(np.searchsorted(DECADES, c[key], side="right"))
+    groups.setdefault(at, []).append(ratio_)
   edges = ["0", *(f"{x:g}" for x in DECADES), "inf"]
   lines = [
     "| relative damping | runs | median ratio | runs worse than 2x the baseline |",
@@ -684,7 +732,7 @@ def report(results: dict[str, Any], rerun: dict[str, Any] | None = None) -> str:
   if tuned:
     parts += [
       "K-FAC at its defaults (step norm the gradient's, damping form "
-      f"`{preconditioning.DEFAULT_FORM}`, damping {preconditioning.DEFAULT_DAMPING:g}), its "
+      f"`{preconditioning.DEFAULT_FORM}`, damping {tuned_damping(results):g}), its "
       "learning rate tuned on the baseline's grid by the same rule; ratio: its final loss over the "
       "baseline's; then each damping at that rate, over the baseline's:",
       tuned_table(results),
@@ -711,6 +759,16 @@ def report(results: dict[str, Any], rerun: dict[str, Any] | None = None) -> str:
       "Worst over best final loss across dampings 1e-4 to 1e-1, each step rule at its own tuned "
       "rate:",
       rule_spread_table(results),
+    ]
+  if any(r.get("tuned", {}).get("curvature") for r in results["problems"].values()):
+    runs = sum(1 for _ in _curvature_runs(results, "tuned"))
+    parts += [
+      "K-FAC at its defaults, each damping at the rate tuned at the default damping (the runs of "
+      "the first table) and at the rate tuned at 0.01 (the step rules' table), "
+      f"{runs} runs, by the smallest relative damping over their layers after the last step:",
+      curvature_table(results, "min_relative_damping", "tuned"),
+      "The same runs by the largest relative damping over their layers:",
+      curvature_table(results, "max_relative_damping", "tuned"),
     ]
   forms = measured_forms(results)
   if not forms:  # a rerun (``--forms``): K-FAC at its own rate only
@@ -745,6 +803,7 @@ def figure(results: dict[str, Any], path: Path) -> None:
 
   problems = results["problems"]
   tuned = tuned_rows(results)
+  at_001 = tuned_rows(results, "tuned_0.01")
   cols = 4
   rows = -(-len(problems) // cols)
   fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
@@ -755,13 +814,17 @@ def figure(results: dict[str, Any], path: Path) -> None:
     if name in tuned:
       label = f"{preconditioning.DEFAULT_FORM}, K-FAC's own lr"
       ax.plot(DAMPINGS, tuned[name]["ratios"], "k*--", label=label)
+    if name in at_001:
+      label = f"{preconditioning.DEFAULT_FORM}, K-FAC's own lr tuned at damping 0.01"
+      ax.plot(DAMPINGS, at_001[name]["ratios"], "^:", color="gray", label=label)
     ax.axhline(1.0, color="gray", lw=1, ls="--")
     ax.set(xscale="log", yscale="log", title=name, xlabel="damping")
   for ax in axes.flat[len(problems) :]:
     ax.axis("off")
   axes[0, 0].set_ylabel("final loss / tuned baseline")
-  axes[0, 0].legend()
-  fig.tight_layout()
+  handles, labels = axes[0, 0].get_legend_handles_labels()
+  fig.legend(handles, labels, loc="lower center", ncol=len(labels))
+  fig.tight_layout(rect=(0, 0.06, 1, 1))
   fig.savefig(path, dpi=120)
 
 

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 import kaisa_jax
 from experiments.files import atomic_open
-from experiments.optimizers import Optimizer, build, is_kfac, kfac_transform
+from experiments.optimizers import Optimizer, build, is_kfac, kfac_arguments, kfac_transform
 from experiments.tasks import Task
 
 
@@ -293,7 +293,7 @@ def train(
     rec["skipped_steps"] = int(opt_state.total_notfinite)  # non-finite gradients
     if run.curvature is not None:  # K-FAC's health counters and curvature
       stats = run.curvature(opt_state, lr)
-      kaisa_jax.check_damping(stats)
+      kaisa_jax.check_damping(stats, kfac_arguments(opt.kfac)["step_norm"])
       rec["skipped_factor_updates"] = int(stats.skipped_factor_updates)
       rec["failed_decompositions"] = int(stats.failed_decompositions)
       rec["curvature"] = curvature_record(stats)

@@ -35,6 +35,7 @@ class Plan:
   mesh: Mesh | None
   factor_dtype: Any
   damping_form: str = preconditioning.DEFAULT_FORM
+  step_norm: str = preconditioning.GRADIENT
 
   def __str__(self) -> str:
     w = max([28, *(len(x.name) + 1 for x in (*(s for s, _ in self.layers), *self.skipped))])
@@ -120,6 +121,7 @@ def make_plan(
   settings: Settings,
   mesh: Mesh | None = None,
   damping_form: str = preconditioning.DEFAULT_FORM,
+  step_norm: str = preconditioning.GRADIENT,
 ) -> Plan:
   """Each layer's treatment (`kaisa_jax.cost`) and owner (`kaisa_jax.assignment`) on ``comm``'s devices.
 
@@ -149,4 +151,5 @@ def make_plan(
     mesh,
     jnp.dtype(settings.factor_dtype),
     damping_form,
+    step_norm,
   )

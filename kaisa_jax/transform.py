@@ -273,7 +273,7 @@ def _make_plan(layers: Layers, config: config_lib.Config) -> Plan:
   if fraction == distribution.AUTO:
     fraction = _auto_fraction(layers, config)
   comm = collectives_for(fraction, config.mesh, config.axis_name, config.axis_size)
-  plan = make_plan(layers, comm, settings, config.mesh, config.damping_form)
+  plan = make_plan(layers, comm, settings, config.mesh, config.damping_form, config.step_norm)
   unsupported = [k for k in layers.skipped if k.reason != EXCLUDED]
   if unsupported:
     warnings.warn(_skipped_warning(unsupported), stacklevel=3)

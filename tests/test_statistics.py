@@ -298,35 +298,63 @@ def test_kl_scale_is_the_clip_of_the_preconditioned_and_raw_gradients():
 # ------------------------------------------------------------------------------ warnings
 
 
+def _flagging_dampings(kfac, opt_state) -> tuple[float, float, float]:
+  """Dampings at which every layer's relative damping is below `NEGLIGIBLE_DAMPING`, between the
+  thresholds, and above `DROWNING_DAMPING`: the relative damping is proportional to the damping,
+  so it is read at damping 1 (in jit, where nothing warns)."""
+  unit = jax.jit(functools.partial(kaisa_jax.curvature_statistics, kfac, damping=1.0))
+  relative = [float(s.relative_damping) for s in unit(opt_state).layers.values()]
+  lowest, highest = (
+    statistics.NEGLIGIBLE_DAMPING / min(relative),
+    statistics.DROWNING_DAMPING / max(relative),
+  )
+  assert lowest < highest  # this model's layers fit between the thresholds at one damping
+  low = 0.5 * statistics.NEGLIGIBLE_DAMPING / max(relative)
+  high = 2 * statistics.DROWNING_DAMPING / min(relative)
+  return low, float(np.sqrt(lowest * highest)), high
+
+
 def test_the_damping_warning_fires_once(monkeypatch):
+  """With K-FAC's own step length, the thresholds' rule: each case warns once per process."""
   monkeypatch.setattr(statistics, "_warned", set())
-  kfac, opt_state = _trained("eigen")
+  kfac, opt_state = _trained("eigen", step_norm="natural")
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     fresh = kaisa_jax.curvature_statistics(kfac, kfac.init(Net().init(jax.random.key(1), X)))
     assert np.isinf(float(next(iter(fresh.layers.values())).relative_damping))
-    # The relative damping is proportional to the damping: read it at damping 1 (in
-    # jit, where nothing warns), then pick one within the thresholds and two outside.
-    unit = jax.jit(functools.partial(kaisa_jax.curvature_statistics, kfac, damping=1.0))
-    relative = [float(s.relative_damping) for s in unit(opt_state).layers.values()]
-    lowest, highest = (
-      statistics.NEGLIGIBLE_DAMPING / min(relative),
-      statistics.DROWNING_DAMPING / max(relative),
-    )
-    assert lowest < highest  # this model's layers fit between the thresholds at one damping
-    kaisa_jax.curvature_statistics(kfac, opt_state, damping=np.sqrt(lowest * highest))
+    low, within, high = _flagging_dampings(kfac, opt_state)
+    kaisa_jax.curvature_statistics(kfac, opt_state, damping=within)
     assert not caught  # no curvature yet: not flagged; a sensible damping: not flagged
-    low = 0.5 * statistics.NEGLIGIBLE_DAMPING / max(relative)
-    high = 2 * statistics.DROWNING_DAMPING / min(relative)
     for damping, kind, word in ((low, "negligible", "negligible"), (high, "drowning", "drowns")):
       for _ in range(2):
         stats = kaisa_jax.curvature_statistics(kfac, opt_state, damping=damping)
         assert len(caught) == 1  # called outside jit, it checks (and warns once) itself
         jitted = jax.jit(functools.partial(kaisa_jax.curvature_statistics, kfac, damping=damping))
-        found = kaisa_jax.check_damping(jitted(opt_state))
+        found = kaisa_jax.check_damping(jitted(opt_state), "natural")
         assert set(getattr(found, kind)) == set(stats.layers)  # every layer flagged
       assert len(caught) == 1, [str(w.message) for w in caught]
       assert word in str(caught[0].message) and "Conv_0" in str(caught[0].message)
       caught.clear()
   with pytest.raises(TypeError, match="concrete values"):
     jax.jit(lambda s: kaisa_jax.check_damping(kaisa_jax.curvature_statistics(kfac, s)))(opt_state)
+
+
+def test_the_default_step_rule_flags_no_damping(monkeypatch):
+  """Each layer's step given its gradient's norm (the default): the robustness benchmark found no
+  relative damping that marks a worse run, so nothing is flagged and nothing warns, at dampings
+  the thresholds flag under K-FAC's own step length."""
+  monkeypatch.setattr(statistics, "_warned", set())
+  kfac, opt_state = _trained("eigen")
+  assert kfac.plan.step_norm == "gradient"
+  low, _, high = _flagging_dampings(kfac, opt_state)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for damping, kind in ((low, "negligible"), (high, "drowning")):
+      stats = kaisa_jax.curvature_statistics(kfac, opt_state, damping=damping)
+      assert not caught, [str(w.message) for w in caught]
+      assert kaisa_jax.check_damping(stats) == ({}, {})
+      # The same statistics under K-FAC's own step length: every layer flagged.
+      assert set(getattr(kaisa_jax.check_damping(stats, "natural"), kind)) == set(stats.layers)
+      caught.clear()
+  with pytest.raises(ValueError, match="step_norm must be one of"):
+    kaisa_jax.check_damping(stats, "kl")
