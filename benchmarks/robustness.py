@@ -48,7 +48,10 @@ results file records the CPU it was trained on (`machine`).
 
 ``--kl-clips 0.01 none --problems lstm ...`` trains, for problems already
 in the results, K-FAC at its defaults but for each KL clip (`tune_clip`; a
-table of its own, `clip_table`).
+table of its own, `clip_table`). ``--tune-at 0.01`` tunes K-FAC at its
+defaults at damping 0.01 instead (``tuned_0.01``, a step rule's column of
+`clip_table` and `rule_spread_table`, and beside the defaults in the figure
+and the curvature tables).
 
 Run: ``python benchmarks/robustness.py [--problems vit gru ...] [--seeds 3]``
 (about two and a half hours on 2 CPU cores for the whole suite); more dampings
@@ -158,13 +161,16 @@ def best_lr(by_lr: dict[str, list[float]]) -> float:
   return float(min(by_lr, key=lambda k: mean(by_lr[k])))
 
 
-def tune_kfac(problem: suite.Problem, seeds: int, log) -> dict[str, Any]:
+def tune_kfac(
+  problem: suite.Problem, seeds: int, log, damping: float | None = None
+) -> dict[str, Any]:
   """K-FAC at its defaults (`kaisa_jax.kfac` given only ``layers`` and ``lr``): its learning rate
-  tuned by the baseline's rule (`tune_lr`) at the default damping, then every damping of
-  `DAMPINGS` at that rate, each with the curvature after its runs' last step (the default's runs
-  trained again for it: the same program, seeds and rate, so the same losses)."""
+  tuned by the baseline's rule (`tune_lr`) at the default damping (or at ``damping``), then every
+  damping of `DAMPINGS` at that rate, each with the curvature after its runs' last step (the
+  tuning damping's runs trained again for it: the same program, seeds and rate, so the same
+  losses)."""
   run = suite.make_run(problem, {})
-  default = preconditioning.DEFAULT_DAMPING
+  default = preconditioning.DEFAULT_DAMPING if damping is None else damping
   by_lr = tune_lr(run, problem, seeds, log, "kfac (defaults)", default)
   lr = best_lr(by_lr)
   dampings, curvature = {}, {}
@@ -858,6 +864,12 @@ def main(argv: list[str] | None = None) -> None:
     help="train only K-FAC at its defaults but for each of these KL clips ('none': no clip), "
     "each at its own tuned rate, for problems already in the results file",
   )
+  parser.add_argument(
+    "--tune-at",
+    type=float,
+    help="train only K-FAC at its defaults, its rate tuned at this damping instead of the "
+    "default (the results' tuned_<damping>), for problems already in the results file",
+  )
   parser.add_argument("--table", action="store_true", help="print the tables of the saved results")
   parser.add_argument("--figure", type=Path, help="draw the saved results into this file")
   parser.add_argument(
@@ -888,7 +900,18 @@ def main(argv: list[str] | None = None) -> None:
       for kl_clip in args.kl_clips:
         by_lr = tune_clip(problem, args.seeds, lambda s: print(s, flush=True), kl_clip)
         results["problems"][name].setdefault("kl_clip", {})[repr(kl_clip)] = by_lr
+        results["problems"][name]["kl_clip_damping"] = preconditioning.DEFAULT_DAMPING
         save(results, args.out)
+  elif args.tune_at is not None and not (args.table or args.figure or args.page):
+    for name in args.problems:
+      if name not in results["problems"]:
+        parser.error(f"--tune-at: {name} has no tuned baseline in {args.out}; train it first")
+      print(name, flush=True)
+      tuned = tune_kfac(
+        suite.SUITE[name](), args.seeds, lambda s: print(s, flush=True), args.tune_at
+      )
+      results["problems"][name][f"tuned_{args.tune_at!r}"] = tuned
+      save(results, args.out)
   elif not (args.table or args.figure or args.page):
     for name in args.problems:
       print(name, flush=True)

@@ -77,25 +77,29 @@ def test_kfac_at_its_defaults_is_tuned_like_the_baseline():
   block = robustness.generated.body(readme, robustness.README_BLOCK)
   assert block == robustness.readme(results, rerun)
   for name, r in results["problems"].items():
-    for by_lr, lr in ((r["tuned"]["by_lr"], r["tuned"]["lr"]), (r["baseline"], r["lr"])):
-      rates = sorted(float(k) for k in by_lr)
-      assert lr == robustness.best_lr(by_lr), name
-      assert rates[0] < lr < rates[-1], name
-      assert set(robustness.LEARNING_RATES[r["optimizer"]]) <= set(rates), name
-    dampings = r["tuned"]["dampings"]
-    assert sorted(float(d) for d in dampings) == sorted(robustness.DAMPINGS), name
-    assert all(len(losses) == results["seeds"] for losses in dampings.values()), name
-    assert r["tuned"]["damping"] == robustness.preconditioning.DEFAULT_DAMPING, name
-    default = repr(robustness.preconditioning.DEFAULT_DAMPING)
-    # The default's runs were trained twice, in the tuning and with the dampings: bit for bit.
-    assert dampings[default] == r["tuned"]["by_lr"][repr(r["tuned"]["lr"])], name
-    curvature = r["tuned"]["curvature"]
-    assert curvature.keys() == dampings.keys(), name
-    for d, runs in curvature.items():
-      assert len(runs) == results["seeds"], name
-      # A diverged run's curvature is not finite; every other run's relative damping is positive.
-      if all(map(math.isfinite, dampings[d])):
-        assert all(0 < c["min_relative_damping"] <= c["max_relative_damping"] for c in runs), name
+    for key, damping in (
+      ("tuned", robustness.preconditioning.DEFAULT_DAMPING),
+      ("tuned_0.01", 0.01),
+    ):
+      t = r[key]
+      for by_lr, lr in ((t["by_lr"], t["lr"]), (r["baseline"], r["lr"])):
+        rates = sorted(float(k) for k in by_lr)
+        assert lr == robustness.best_lr(by_lr), name
+        assert rates[0] < lr < rates[-1], name
+        assert set(robustness.LEARNING_RATES[r["optimizer"]]) <= set(rates), name
+      dampings = t["dampings"]
+      assert sorted(float(d) for d in dampings) == sorted(robustness.DAMPINGS), name
+      assert all(len(losses) == results["seeds"] for losses in dampings.values()), name
+      assert t["damping"] == damping, name
+      # The tuning damping's runs were trained twice, in the tuning and with the dampings: bit
+      # for bit.
+      assert dampings[repr(damping)] == t["by_lr"][repr(t["lr"])], name
+      assert t["curvature"].keys() == dampings.keys(), name
+      for d, runs in t["curvature"].items():
+        assert len(runs) == results["seeds"], name
+        # Where no seed diverged, every run's layers have a positive relative damping.
+        if all(map(math.isfinite, dampings[d])):
+          assert all(0 < c["min_relative_damping"] <= c["max_relative_damping"] for c in runs), name
 
 
 def test_clip_table_compares_each_clips_best_rate_with_the_baseline():
