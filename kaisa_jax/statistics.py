@@ -358,9 +358,7 @@ _compiled_statistics = jax.jit(_statistics, static_argnums=0)
 _warned: set[str] = set()
 
 
-def check_damping(
-  stats: CurvatureStatistics, step_norm: str = preconditioning.GRADIENT
-) -> DampingCheck:
+def check_damping(stats: CurvatureStatistics, step_norm: str) -> DampingCheck:
   """Warns, once per process for each case, where the damping is off the layers' curvature.
 
   With K-FAC's own step length (``step_norm="natural"``), a layer's relative
@@ -377,7 +375,8 @@ def check_damping(
   Args:
     stats: from `curvature_statistics`.
     step_norm: the ``step_norm`` of the `kaisa_jax.kfac` the statistics come
-      from (`curvature_statistics` passes its own).
+      from (`curvature_statistics` passes its own); required, since the
+      statistics do not record it and the two rules flag differently.
 
   Returns:
     `DampingCheck`: the flagged layers with their relative damping (also when

@@ -145,7 +145,7 @@ def test_statistics_of_the_factored_damping_forms(method, form):
         float(s.relative_damping), preconditioning.DEFAULT_DAMPING, rtol=1e-5
       )
     # The default damping sits on the threshold: rounding below it is not negligible.
-    assert kaisa_jax.check_damping(stats) == ({}, {})
+    assert kaisa_jax.check_damping(stats, "natural") == ({}, {})
 
 
 def test_a_damping_schedule_is_read_at_the_last_step():
@@ -336,7 +336,9 @@ def test_the_damping_warning_fires_once(monkeypatch):
       assert word in str(caught[0].message) and "Conv_0" in str(caught[0].message)
       caught.clear()
   with pytest.raises(TypeError, match="concrete values"):
-    jax.jit(lambda s: kaisa_jax.check_damping(kaisa_jax.curvature_statistics(kfac, s)))(opt_state)
+    jax.jit(lambda s: kaisa_jax.check_damping(kaisa_jax.curvature_statistics(kfac, s), "natural"))(
+      opt_state
+    )
 
 
 def test_the_default_step_rule_flags_no_damping(monkeypatch):
@@ -352,7 +354,7 @@ def test_the_default_step_rule_flags_no_damping(monkeypatch):
     for damping, kind in ((low, "negligible"), (high, "drowning")):
       stats = kaisa_jax.curvature_statistics(kfac, opt_state, damping=damping)
       assert not caught, [str(w.message) for w in caught]
-      assert kaisa_jax.check_damping(stats) == ({}, {})
+      assert kaisa_jax.check_damping(stats, "gradient") == ({}, {})
       # The same statistics under K-FAC's own step length: every layer flagged.
       assert set(getattr(kaisa_jax.check_damping(stats, "natural"), kind)) == set(stats.layers)
       caught.clear()
