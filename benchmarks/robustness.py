@@ -417,14 +417,14 @@ def _tuned_ratio(by_lr: dict[str, list[float]] | None, base: float) -> str:
   return f"{_ratio(mean(by_lr[repr(lr)]) / base)} (lr {lr:g})"
 
 
-# The step rules measured with their own tuned rate (`tune_kfac`), each at the damping its entry
-# records: the default, each layer given its gradient's norm (``tuned``), and the same with its rate
-# tuned at a damping of 0.01 instead (``tuned_0.01``); one norm for all layers together, the default before
-# (``tuned_global``); and K-FAC's own step under the KAISA reference's KL clip, the default before
-# that (``tuned_kl_clip``).
 # The tunings at the default step rule (`STEP_RULES`): the rate tuned at the default damping and
 # at 0.01.
 DEFAULT_RULE_TUNINGS = ("tuned", "tuned_0.01")
+# The step rules measured with their own tuned rate (`tune_kfac`), each at the damping its entry
+# records: the default, each layer given its gradient's norm (``tuned``), and the same with its
+# rate tuned at a damping of 0.01 instead (``tuned_0.01``); one norm for all layers together, the
+# default before (``tuned_global``); and K-FAC's own step under the KAISA reference's KL clip, the
+# default before that (``tuned_kl_clip``).
 STEP_RULES = {
   "tuned": "each layer's gradient norm (default)",
   "tuned_0.01": "each layer's gradient norm",
@@ -433,13 +433,18 @@ STEP_RULES = {
 }
 
 
+def _one_damping(found: set[float], what: str) -> float | None:
+  """The one damping in ``found`` (``None`` if empty); several cannot share a table column."""
+  if len(found) > 1:
+    raise ValueError(f"{what} were tuned at several dampings: {sorted(found)}")
+  return found.pop() if found else None
+
+
 def tuned_damping(results: dict[str, Any], key: str = "tuned") -> float | None:
   """The damping at which the runs under ``key`` were tuned (the same on every problem), or
   ``None`` where no problem has them."""
   found = {r[key]["damping"] for r in results["problems"].values() if key in r}
-  if len(found) > 1:
-    raise ValueError(f"the runs under {key!r} were tuned at several dampings: {sorted(found)}")
-  return found.pop() if found else None
+  return _one_damping(found, f"the runs under {key!r}")
 
 
 def _rule_labels(results: dict[str, Any]) -> list[str]:
@@ -462,10 +467,8 @@ def clip_table(results: dict[str, Any]) -> str:
   }
   keys = {k for r in measured.values() for k in r["kl_clip"]}
   clips = sorted(keys, key=lambda k: (k == "None", 0.0 if k == "None" else float(k)))
-  damping = {r["kl_clip_damping"] for r in measured.values()}
-  if len(damping) > 1:
-    raise ValueError(f"the KL clips were tuned at several dampings: {sorted(damping)}")
-  at = f", damping {damping.pop():g}" if damping else ""
+  damping = _one_damping({r["kl_clip_damping"] for r in measured.values()}, "the KL clips")
+  at = "" if damping is None else f", damping {damping:g}"
   lines = [
     "| model | baseline: lr, final loss | "
     + " | ".join(

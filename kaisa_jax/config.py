@@ -90,7 +90,7 @@ def _check_step_norm(step_norm: str, kl_clip: Any, lr: Any) -> None:
     )
 
 
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
   if value not in choices:
     raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
@@ -146,11 +146,11 @@ def check_settings(
   max_cost_ratio = hp.static("max_cost_ratio", max_cost_ratio)
   factor_steps = hp.check_steps("factor_update_steps", factor_update_steps)
   inv_steps = hp.check_steps("inv_update_steps", inv_update_steps)
-  _check_choice("compute_method", compute_method, preconditioning.METHODS)
+  check_choice("compute_method", compute_method, preconditioning.METHODS)
   factor_dtype = _check_factor_dtype(factor_dtype)
   if max_cost_ratio is not None:
     hp.check_scalar("max_cost_ratio", max_cost_ratio, 0.0, open_low=True)
-  _check_choice("assignment_cost", assignment_cost, assignment.COSTS)
+  check_choice("assignment_cost", assignment_cost, assignment.COSTS)
   return Settings(
     factor_steps, inv_steps, compute_method, max_cost_ratio, assignment_cost, factor_dtype
   )
@@ -204,10 +204,10 @@ def check(
     hp.check_scalar("kl_clip", kl_clip, 0.0, open_low=True)
   if lr is not None:  # 0 too (a warmup's first step): the chained optimizer then moves nothing
     hp.check_scalar("lr", lr, 0.0)
-  _check_choice("step_norm", step_norm, preconditioning.STEP_NORMS)
+  check_choice("step_norm", step_norm, preconditioning.STEP_NORMS)
   _check_step_norm(step_norm, kl_clip, lr)
-  _check_choice("damping_form", damping_form, preconditioning.DAMPING_FORMS)
-  _check_choice("weight_sharing", weight_sharing, factors_lib.WEIGHT_SHARING)
+  check_choice("damping_form", damping_form, preconditioning.DAMPING_FORMS)
+  check_choice("weight_sharing", weight_sharing, factors_lib.WEIGHT_SHARING)
   return Config(
     damping,
     damping_form,

@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from kaisa_jax import checkpointing, cpu_loop, phases, preconditioning, transform
+from kaisa_jax import checkpointing, config, cpu_loop, phases, preconditioning, transform
 from kaisa_jax import hyperparameters as hp
 from kaisa_jax import state as state_lib
 from kaisa_jax.plan import Plan
@@ -382,8 +382,7 @@ def check_damping(stats: CurvatureStatistics, step_norm: str) -> DampingCheck:
     `DampingCheck`: the flagged layers with their relative damping (also when
     the warning was given before).
   """
-  if step_norm not in preconditioning.STEP_NORMS:
-    raise ValueError(f"step_norm must be one of {preconditioning.STEP_NORMS}, got {step_norm!r}")
+  config.check_choice("step_norm", step_norm, preconditioning.STEP_NORMS)
   relative = {name: s.relative_damping for name, s in stats.layers.items()}
   if any(hp.is_traced(x) for x in relative.values()):
     raise TypeError(
