@@ -10,23 +10,33 @@ on the same batch: ``lambda <- omega lambda`` when ``rho > 3/4`` (the quadratic 
 trusted), ``lambda <- lambda / omega`` when ``rho < 1/4``, with ``omega = (19/20)^T``. It costs
 one forward pass every ``T`` steps, at ``theta + delta``.
 
-It was measured under the KAISA reference's step rule, K-FAC's own step with a KL clip of 1e-3
-(`step_norm="natural"`), the library's default then. This prototype builds it around
-`kaisa_jax.kfac` without changing the library: K-FAC's damping is injected
-(`optax.inject_hyperparams`) and its KL clip applied outside, with the same formula,
-so that the clip's ``nu`` and ``s = g^T P g`` are at hand. For ``delta = -lr nu P g``, the damped
-K-FAC model gives ``M(delta) = -lr nu s + 1/2 (lr nu)^2 s``. The step then goes to the chained
-first-order optimizer, as in `experiments.suite`.
+This prototype builds it around `kaisa_jax.kfac` without changing the library: K-FAC's damping
+is injected (`optax.inject_hyperparams`), K-FAC returns its own step ``P g``
+(`step_norm="natural"`), and the step rule is applied outside with the library's formula, so
+that each layer's ``s_l = g_l^T P_l g_l`` is at hand. With the step ``delta = -lr u`` the damped
+K-FAC model gives ``M(delta) = sum_l (-lr c_l s_l + 1/2 (lr c_l)^2 s_l)`` for ``u_l = c_l P_l g_l``.
+Two step rules (``--step-rule``):
 
-For each model it trains K-FAC under that rule at its tuned learning rate (from
-``benchmarks/results/robustness.json``, the tuning of that rule, ``tuned_kl_clip``) from each
-initial damping of `benchmarks.robustness.DAMPINGS`, with the damping fixed and adapted every
-``T`` steps, and prints the final losses (the mean of the last 20 steps, over 3 seeds), their
-spread over the dampings, and the damping the adaptation ends at. Results go to
-``benchmarks/results/adaptive_damping.json``.
+- ``kl_clip``: the KAISA reference's, one ``c = nu = min(1, sqrt(kl_clip / |lr^2 sum_l s_l|))``
+  for all layers with a KL clip of 1e-3, the library's default when first measured; at the
+  rate tuned under it (``tuned_kl_clip`` of ``benchmarks/results/robustness.json``).
+- ``gradient``: the library's default, ``c_l = |g_l| / |P_l g_l|`` layer by layer (each layer's
+  step given its gradient's norm; a layer is a parameter's parent module, as for the models of
+  the models of `RULES`, none of which stacks layers in one parameter), at K-FAC's tuned rate at
+  its defaults (``tuned``).
 
-Run: ``python benchmarks/adaptive_damping.py [--problems gru lstm nnx_mlp resnet_bn]`` (about 15
-minutes on 2 CPU cores).
+The step then goes to the chained first-order optimizer, as in `experiments.suite`.
+
+For each model it trains K-FAC under the rule at that learning rate from each initial damping of
+`benchmarks.robustness.DAMPINGS`, with the damping fixed and adapted every ``T`` steps, and prints
+the final losses (the mean of the last 20 steps, over 3 seeds), their spread over the dampings,
+and the damping the adaptation ends at. Results go to ``benchmarks/results/adaptive_damping.json``
+(``kl_clip``) or ``adaptive_damping_gradient.json``.
+
+Run: ``python benchmarks/adaptive_damping.py [--step-rule kl_clip|gradient] [--problems ...]``
+(the KL clip's four default models: about 15 minutes on 2 CPU cores; the gradient rule's seven,
+every model of the robustness suite but the character transformer: about an hour). Models
+measured before with the same seeds stay in the results file.
 """
 
 from __future__ import annotations
@@ -47,15 +57,52 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kaisa_jax
 from benchmarks import generated, robustness
 from experiments import suite
+from kaisa_jax import preconditioning
 
 KL_CLIP = 1e-3  # the KAISA reference's
 PERIODS = (None, 1, 5)  # None: the damping stays fixed
 # kfac's arguments that decide its layout: static under inject_hyperparams.
 STATIC = ("layers", "step_norm", "inv_update_steps", "max_cost_ratio", "grad_worker_fraction")
-BLOCK = "adaptive damping"
+# Per step rule: the tuning in robustness.json whose rate it trains at, the models measured by
+# default, the results file and the block of docs/benchmarks/robustness.md.
+RULES = {
+  "kl_clip": ("tuned_kl_clip", ("gru", "lstm", "nnx_mlp", "resnet_bn"), "adaptive_damping.json"),
+  "gradient": (
+    "tuned",
+    ("mnist1d", "vit", "gru", "lstm", "nnx_mlp", "autoencoder", "resnet_bn"),
+    "adaptive_damping_gradient.json",
+  ),
+}
+BLOCKS = {"kl_clip": "adaptive damping", "gradient": "adaptive damping, gradient rule"}
 
 
-def make_run(problem: suite.Problem, period: int | None):
+def _layer_sums(a: Any, b: Any) -> dict[str, jax.Array]:
+  """``<a, b>`` summed per parent module of the parameters (one layer each here)."""
+  sums: dict[str, jax.Array] = {}
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+    key = jax.tree_util.keystr(path[:-1])
+    sums[key] = sums.get(key, 0.0) + jnp.vdot(x, y)
+  return sums
+
+
+def step_rule(rule: str, grads: Any, pg: Any, lr: jax.Array) -> tuple[Any, jax.Array]:
+  """``(u, M(-lr u))``: K-FAC's step ``P g`` scaled by ``rule``, and what the damped quadratic
+  model predicts for it, ``sum_l (-lr c_l s_l + 1/2 (lr c_l)^2 s_l)`` with ``s_l = <g_l, P_l g_l>``.
+  """
+  s = _layer_sums(grads, pg)
+  if rule == "kl_clip":
+    nu = jnp.minimum(1.0, jnp.sqrt(KL_CLIP / jnp.abs(lr * lr * sum(s.values()))))
+    c = dict.fromkeys(s, nu)
+  else:
+    pp, vv = _layer_sums(pg, pg), _layer_sums(grads, grads)
+    c = {k: preconditioning.gradient_norm_scale(pp[k], vv[k]) for k in s}
+  flat, treedef = jax.tree_util.tree_flatten_with_path(pg)
+  u = treedef.unflatten([c[jax.tree_util.keystr(path[:-1])] * v for path, v in flat])
+  model = sum(-lr * c[k] * s[k] + 0.5 * (lr * c[k]) ** 2 * s[k] for k in s)
+  return u, model
+
+
+def make_run(problem: suite.Problem, period: int | None, rule: str = "kl_clip"):
   """``run(params, state, order, lr, damping) -> (losses, dampings)``, one jitted scan."""
   x, y = (jnp.asarray(a) for a in problem.train)
   grad_fn = kaisa_jax.value_and_grad(problem.loss, has_aux=True, n_examples=problem.n_examples)
@@ -76,10 +123,10 @@ def make_run(problem: suite.Problem, period: int | None):
     )
     first_order = suite.first_order(problem.optimizer, lr)
 
-    def adapt(damping, params, state, xb, yb, loss, u, nu, s):
+    def adapt(damping, params, state, xb, yb, loss, u, model):
       delta = jax.tree.map(lambda v: -lr * v, u)
       new = problem.loss(optax.apply_updates(params, delta), state, xb, yb)[0]
-      rho = (new - loss) / (-lr * nu * s + 0.5 * (lr * nu) ** 2 * s)
+      rho = (new - loss) / model
       damping = jnp.where(rho > 0.75, damping * omega, damping)
       return jnp.where((rho < 0.25) | ~jnp.isfinite(rho), damping / omega, damping)
 
@@ -89,14 +136,12 @@ def make_run(problem: suite.Problem, period: int | None):
       xb, yb = x[idx], y[idx]
       (loss, new_state), grads, curvature = grad_fn(params, state, xb, yb)
       k_state.hyperparams["damping"] = damping
-      u, k_state = kfac.update(grads, k_state, params, curvature=curvature)
-      s = sum(jnp.vdot(g, v) for g, v in zip(jax.tree.leaves(grads), jax.tree.leaves(u)))
-      nu = jnp.minimum(1.0, jnp.sqrt(KL_CLIP / jnp.abs(lr * lr * s)))
-      u = jax.tree.map(lambda v: nu * v, u)
+      pg, k_state = kfac.update(grads, k_state, params, curvature=curvature)
+      u, model = step_rule(rule, grads, pg, lr)
       if period is not None:
         damping = jax.lax.cond(
           i % period == 0,
-          lambda d: adapt(d, params, state, xb, yb, loss, u, nu, s),
+          lambda d: adapt(d, params, state, xb, yb, loss, u, model),
           lambda d: d,
           damping,
         )
@@ -111,11 +156,11 @@ def make_run(problem: suite.Problem, period: int | None):
   return run
 
 
-def measure(name: str, lr: float, seeds: int) -> dict[str, Any]:
+def measure(name: str, lr: float, seeds: int, rule: str = "kl_clip") -> dict[str, Any]:
   problem = suite.SUITE[name]()
   out: dict[str, Any] = {"lr": lr}
   for period in PERIODS:
-    run = make_run(problem, period)
+    run = make_run(problem, period, rule)
     rows = {}
     for d in robustness.DAMPINGS:
       finals, ends = [], []
@@ -155,25 +200,36 @@ def render(results: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--problems", nargs="+", default=["gru", "lstm", "nnx_mlp", "resnet_bn"])
+  parser.add_argument("--step-rule", choices=sorted(RULES), default="kl_clip")
+  parser.add_argument("--problems", nargs="+", help="default: the rule's in RULES")
   parser.add_argument("--seeds", type=int, default=3)
   args = parser.parse_args(argv)
+  tuning, measured, path = RULES[args.step_rule]
+  measured = args.problems or measured
   tuned = json.loads(robustness.RESULTS.read_text())["problems"]
+  # Models measured before with the same seeds are kept (the provenance names them all).
+  previous = generated.load(path) if (generated.RESULTS / path).exists() else {}
+  kept = {}
+  if previous.get("seeds") == args.seeds:
+    kept = {n: r for n, r in previous["problems"].items() if n not in measured}
+  problems = [*kept, *measured]
   results = {
-    "provenance": "written by `python benchmarks/adaptive_damping.py --problems "
-    f"{' '.join(args.problems)} --seeds {args.seeds}`",
+    "provenance": f"written by `python benchmarks/adaptive_damping.py --step-rule {args.step_rule} "
+    f"--problems {' '.join(problems)} --seeds {args.seeds}`",
+    "step_rule": args.step_rule,
     "steps": robustness.STEPS,
     "seeds": args.seeds,
     "jax": jax.__version__,
-    "problems": {},
+    "problems": dict(kept),
   }
-  for name in args.problems:
+  for name in measured:
     print(name, flush=True)
-    results["problems"][name] = measure(name, tuned[name]["tuned_kl_clip"]["lr"], args.seeds)
-    generated.save("adaptive_damping.json", results)
+    lr = tuned[name][tuning]["lr"]
+    results["problems"][name] = measure(name, lr, args.seeds, args.step_rule)
+    generated.save(path, results)
   print(render(results))
-  for path in generated.write(BLOCK, render(results)):
-    print(f"table written to {path}")
+  for written in generated.write(BLOCKS[args.step_rule], render(results)):
+    print(f"table written to {written}")
 
 
 if __name__ == "__main__":

@@ -76,6 +76,11 @@ BLOCKS: dict[str, Block] = {
     "benchmarks.adaptive_damping:render",
     "python benchmarks/adaptive_damping.py",
   ),
+  "adaptive damping, gradient rule": Block(
+    "adaptive_damping_gradient.json",
+    "benchmarks.adaptive_damping:render",
+    "python benchmarks/adaptive_damping.py --step-rule gradient",
+  ),
   "results table": Block(
     "experiments.json",
     "experiments.report:summary_markdown",
