@@ -21,7 +21,7 @@ Two step rules (``--step-rule``):
   for all layers with a KL clip of 1e-3, the library's default when first measured; at the
   rate tuned under it (``tuned_kl_clip`` of ``benchmarks/results/robustness.json``).
 - ``gradient``: the library's default, ``c_l = |g_l| / |P_l g_l|`` layer by layer (each layer's
-  step given its gradient's norm; a layer is a parameter's parent module, as for the models of
+  step given its gradient's norm; a layer is a parameter's parent module, as for
   the models of `RULES`, none of which stacks layers in one parameter), at K-FAC's tuned rate at
   its defaults (``tuned``).
 
