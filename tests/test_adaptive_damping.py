@@ -66,9 +66,7 @@ def test_fixed_damping_trains_as_the_library_does_under_the_same_rule(problem, r
 def test_predicted_decrease_is_the_damped_quadratic_model(rule):
   rng = np.random.default_rng(0)
   shapes = {"a": {"kernel": (3, 2), "bias": (2,)}, "b": {"kernel": (2, 4)}}
-  grads = jax.tree.map(
-    lambda s: jnp.asarray(rng.normal(size=s)), shapes, is_leaf=tuple.__instancecheck__
-  )
+  grads = {k: {p: jnp.asarray(rng.normal(size=s)) for p, s in v.items()} for k, v in shapes.items()}
   # One dense SPD preconditioner per layer, acting on its flattened parameters.
   sizes = {k: sum(int(np.prod(s)) for s in v.values()) for k, v in shapes.items()}
   dense = {}
