@@ -19,7 +19,10 @@ Two step rules (``--step-rule``):
 
 - ``kl_clip``: the KAISA reference's, one ``c = nu = min(1, sqrt(kl_clip / |lr^2 sum_l s_l|))``
   for all layers with a KL clip of 1e-3, the library's default when first measured; at the
-  rate tuned under it (``tuned_kl_clip`` of ``benchmarks/results/robustness.json``).
+  rate tuned under it (``tuned_kl_clip`` of ``benchmarks/results/robustness.json``). Its sum
+  runs over every parameter, as when first measured, where the library's runs over the
+  preconditioned layers only: the two differ on a model with parameters K-FAC passes through
+  (the ResNet's BatchNorms), by their ``|g|^2``.
 - ``gradient``: the library's default, ``c_l = |g_l| / |P_l g_l|`` layer by layer (each layer's
   step given its gradient's norm; a layer is a parameter's parent module, as for
   the models of `RULES`, none of which stacks layers in one parameter), at K-FAC's tuned rate at
