@@ -94,8 +94,7 @@ def step_rule(rule: str, grads: Any, pg: Any, lr: jax.Array) -> tuple[Any, jax.A
   """
   s = _layer_sums(grads, pg)
   if rule == "kl_clip":
-    nu = jnp.minimum(1.0, jnp.sqrt(KL_CLIP / jnp.abs(lr * lr * sum(s.values()))))
-    c = dict.fromkeys(s, nu)
+    c = dict.fromkeys(s, preconditioning.kl_clip_scale(sum(s.values()), KL_CLIP, lr))
   else:
     pp, vv = _layer_sums(pg, pg), _layer_sums(grads, grads)
     c = {k: preconditioning.gradient_norm_scale(pp[k], vv[k]) for k in s}

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.flatten_util import ravel_pytree
 from sklearn.datasets import load_digits
 
 from benchmarks import adaptive_damping
@@ -68,24 +69,19 @@ def test_predicted_decrease_is_the_damped_quadratic_model(rule):
   shapes = {"a": {"kernel": (3, 2), "bias": (2,)}, "b": {"kernel": (2, 4)}}
   grads = {k: {p: jnp.asarray(rng.normal(size=s)) for p, s in v.items()} for k, v in shapes.items()}
   # One dense SPD preconditioner per layer, acting on its flattened parameters.
-  sizes = {k: sum(int(np.prod(s)) for s in v.values()) for k, v in shapes.items()}
-  dense = {}
-  for k, n in sizes.items():
-    m = rng.normal(size=(n, n))
-    dense[k] = m @ m.T + n * np.eye(n)
-  flat = {k: np.concatenate([np.ravel(grads[k][p]) for p in sorted(shapes[k])]) for k in shapes}
-  pflat = {k: dense[k] @ flat[k] for k in shapes}
-  pg = {}
+  flat, unravel = {}, {}
   for k in shapes:
-    pieces, at = {}, 0
-    for p in sorted(shapes[k]):
-      n = int(np.prod(shapes[k][p]))
-      pieces[p] = jnp.asarray(pflat[k][at : at + n].reshape(shapes[k][p]))
-      at += n
-    pg[k] = pieces
+    v, unravel[k] = ravel_pytree(grads[k])
+    flat[k] = np.asarray(v)
+  dense = {}
+  for k, v in flat.items():
+    m = rng.normal(size=(v.size, v.size))
+    dense[k] = m @ m.T + v.size * np.eye(v.size)
+  pflat = {k: dense[k] @ flat[k] for k in shapes}
+  pg = {k: unravel[k](jnp.asarray(pflat[k])) for k in shapes}
   lr = 0.3
   u, model = adaptive_damping.step_rule(rule, grads, pg, jnp.asarray(lr))
-  uflat = {k: np.concatenate([np.ravel(u[k][p]) for p in sorted(shapes[k])]) for k in shapes}
+  uflat = {k: np.asarray(ravel_pytree(u[k])[0]) for k in shapes}
   delta = {k: -lr * uflat[k] for k in shapes}
   expected = sum(
     flat[k] @ delta[k] + 0.5 * delta[k] @ np.linalg.solve(dense[k], delta[k]) for k in shapes
