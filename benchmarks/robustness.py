@@ -162,14 +162,19 @@ def best_lr(by_lr: dict[str, list[float]]) -> float:
 
 
 def tune_kfac(
-  problem: suite.Problem, seeds: int, log, damping: float | None = None
+  problem: suite.Problem,
+  seeds: int,
+  log,
+  damping: float | None = None,
+  kfac: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-  """K-FAC at its defaults (`kaisa_jax.kfac` given only ``layers`` and ``lr``): its learning rate
+  """K-FAC at its defaults (`kaisa_jax.kfac` given only ``layers`` and ``lr``, and ``kfac`` if
+  given, recorded in the entry): its learning rate
   tuned by the baseline's rule (`tune_lr`) at the default damping (or at ``damping``), then every
   damping of `DAMPINGS` at that rate, each with the curvature after its runs' last step (the
   tuning damping's runs trained again for it: the same program, seeds and rate, so the same
   losses)."""
-  run = suite.make_run(problem, {})
+  run = suite.make_run(problem, kfac or {})
   default = preconditioning.DEFAULT_DAMPING if damping is None else damping
   by_lr = tune_lr(run, problem, seeds, log, "kfac (defaults)", default)
   lr = best_lr(by_lr)
@@ -184,7 +189,7 @@ def tune_kfac(
     "dampings": dampings,
     "curvature": curvature,
     "machine": machine(),
-  }
+  } | ({"kfac": kfac} if kfac else {})
 
 
 def tune_clip(problem: suite.Problem, seeds: int, log, kl_clip: float | None) -> dict[str, Any]:
@@ -420,13 +425,18 @@ def _tuned_ratio(by_lr: dict[str, list[float]] | None, base: float) -> str:
 # The tunings at the default step rule (`STEP_RULES`): the rate tuned at the default damping and
 # at 0.01.
 DEFAULT_RULE_TUNINGS = ("tuned", "tuned_0.01")
+# The defaults but for `kaisa_jax.kfac`'s ``curvature_warmup`` (``--curvature-warmup``; the entry
+# records it under ``kfac``).
+WARMUP = "tuned_warmup"
 # The step rules measured with their own tuned rate (`tune_kfac`), each at the damping its entry
-# records: the default, each layer given its gradient's norm (``tuned``), and the same with its
+# records: the default, each layer given its gradient's norm (``tuned``), the same with the
+# curvature refreshed at every step of a warmup (`WARMUP`) and with its
 # rate tuned at a damping of 0.01 instead (``tuned_0.01``); one norm for all layers together, the
 # default before (``tuned_global``); and K-FAC's own step under the KAISA reference's KL clip, the
 # default before that (``tuned_kl_clip``).
 STEP_RULES = {
   "tuned": "each layer's gradient norm (default)",
+  WARMUP: "each layer's gradient norm, curvature warmup",
   "tuned_0.01": "each layer's gradient norm",
   "tuned_global": "all layers' gradient norm as one",
   "tuned_kl_clip": "natural, kl_clip 0.001 (KAISA)",
@@ -450,9 +460,16 @@ def tuned_damping(results: dict[str, Any], key: str = "tuned") -> float | None:
 def _rule_labels(results: dict[str, Any]) -> list[str]:
   """Each step rule of `STEP_RULES` with the damping its rate was tuned at."""
   dampings = {k: tuned_damping(results, k) for k in STEP_RULES}
+  warmups = {
+    r[WARMUP]["kfac"]["curvature_warmup"] for r in results["problems"].values() if WARMUP in r
+  }
+  warmup = _one_damping(warmups, "the curvature warmups")  # one number, as a damping is
+  labels = dict(STEP_RULES)
+  if warmup is not None:
+    labels[WARMUP] = f"{labels[WARMUP]} {warmup:g}"
   return [
     label if dampings[k] is None else f"{label}, damping {dampings[k]:g}"
-    for k, label in STEP_RULES.items()
+    for k, label in labels.items()
   ]
 
 
@@ -494,17 +511,18 @@ def rule_spread_table(results: dict[str, Any]) -> str:
   """Per problem and step rule of `STEP_RULES`, at the rule's tuned rate: the worst over the best
   final loss across `DAMPINGS` (`tuned_rows`), and the target's verdict per rule."""
   rows = {key: tuned_rows(results, key) for key in STEP_RULES}
-  names = [n for n in results["problems"] if all(n in r for r in rows.values())]
+  # The problems every rule but the warmup ran on (the warmup's cell left empty where it did not).
+  names = [n for n in results["problems"] if all(n in rows[k] for k in rows if k != WARMUP)]
   lines = [
     "| model | " + " | ".join(_rule_labels(results)) + " |",
     "|---|" + "---:|" * len(STEP_RULES),
   ]
   for name in names:
-    lines.append(
-      f"| {name} | " + " | ".join(_ratio(rows[k][name]["spread"]) for k in STEP_RULES) + " |"
-    )
+    cells = [_ratio(rows[k][name]["spread"]) if name in rows[k] else "" for k in STEP_RULES]
+    lines.append(f"| {name} | " + " | ".join(cells) + " |")
   within = " | ".join(
-    str(sum(rows[k][n]["spread"] <= TARGET_SPREAD for n in names)) + f" of {len(names)}"
+    str(sum(rows[k][n]["spread"] <= TARGET_SPREAD for n in names if n in rows[k]))
+    + f" of {sum(n in rows[k] for n in names)}"
     for k in STEP_RULES
   )
   lines.append(f"| within 2x | {within} |")
@@ -756,14 +774,15 @@ def report(results: dict[str, Any], rerun: dict[str, Any] | None = None) -> str:
     ]
   if any("kl_clip" in r for r in results["problems"].values()):
     parts += [
-      "K-FAC at its defaults (each layer's step given its gradient's norm), with one norm for "
+      "K-FAC at its defaults (each layer's step given its gradient's norm), the same with the "
+      "curvature refreshed at every step of a warmup (`curvature_warmup`), with one norm for "
       "all layers together (the default before), then with K-FAC's own step length "
       '(`step_norm="natural"`) under each KL clip (`kl_clip`; 1e-3 the KAISA reference\'s, this '
       "library's default before the gradient's norm), each learning rate tuned by the same rule; "
       "each cell its final loss over the baseline's, and its rate:",
       clip_table(results),
     ]
-  if any(all(k in r for k in STEP_RULES) for r in results["problems"].values()):
+  if any(all(k in r for k in STEP_RULES if k != WARMUP) for r in results["problems"].values()):
     parts += [
       "Worst over best final loss across dampings 1e-4 to 1e-1, each step rule at its own tuned "
       "rate:",
@@ -873,6 +892,12 @@ def main(argv: list[str] | None = None) -> None:
     help="train only K-FAC at its defaults, its rate tuned at this damping instead of the "
     "default (the results' tuned_<damping>), for problems already in the results file",
   )
+  parser.add_argument(
+    "--curvature-warmup",
+    type=int,
+    help="train only K-FAC at its defaults but for kfac's curvature_warmup, its rate tuned by "
+    f"the same rule (the results' {WARMUP}), for problems already in the results file",
+  )
   parser.add_argument("--table", action="store_true", help="print the tables of the saved results")
   parser.add_argument("--figure", type=Path, help="draw the saved results into this file")
   parser.add_argument(
@@ -914,6 +939,17 @@ def main(argv: list[str] | None = None) -> None:
         suite.SUITE[name](), args.seeds, lambda s: print(s, flush=True), args.tune_at
       )
       results["problems"][name][f"tuned_{args.tune_at!r}"] = tuned
+      save(results, args.out)
+  elif args.curvature_warmup is not None and not (args.table or args.figure or args.page):
+    for name in args.problems:
+      if name not in results["problems"]:
+        parser.error(
+          f"--curvature-warmup: {name} has no tuned baseline in {args.out}; train it first"
+        )
+      print(name, flush=True)
+      log = lambda s: print(s, flush=True)  # noqa: E731
+      kfac = {"curvature_warmup": args.curvature_warmup}
+      results["problems"][name][WARMUP] = tune_kfac(suite.SUITE[name](), args.seeds, log, kfac=kfac)
       save(results, args.out)
   elif not (args.table or args.figure or args.page):
     for name in args.problems:

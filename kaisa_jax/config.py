@@ -60,6 +60,7 @@ class Config:
   factor_decay: hp.ScalarOrSchedule
   factor_update_steps: hp.IntOrSchedule
   inv_update_steps: hp.IntOrSchedule
+  curvature_warmup: int | jax.Array
   step_norm: str
   kl_clip: hp.ScalarOrSchedule | None
   lr: hp.ScalarOrSchedule | None
@@ -163,6 +164,7 @@ def check(
   factor_decay: hp.ScalarOrSchedule,
   factor_update_steps: hp.IntOrSchedule,
   inv_update_steps: hp.IntOrSchedule,
+  curvature_warmup: int,
   step_norm: str,
   kl_clip: hp.ScalarOrSchedule | None,
   lr: hp.ScalarOrSchedule | None,
@@ -178,7 +180,8 @@ def check(
 ) -> Config:
   """Checks `kaisa_jax.kfac`'s arguments (as documented there) but the layers.
 
-  ``damping > 0``, ``0 <= factor_decay < 1``, ``kl_clip > 0`` (only with
+  ``damping > 0``, ``0 <= factor_decay < 1``, ``curvature_warmup`` an int
+  ``>= 0``, ``kl_clip > 0`` (only with
   ``step_norm="natural"``; it needs ``lr``, which nothing else reads),
   ``lr >= 0``, numbers or schedules (checked at step 0); the plan's settings
   as `check_settings` checks them; the choices among their options.
@@ -192,6 +195,7 @@ def check(
   axis_size = hp.static("axis_size", axis_size)
   hp.check_scalar("damping", damping, 0.0, open_low=True)
   hp.check_scalar("factor_decay", factor_decay, 0.0, 1.0)
+  hp.check_count("curvature_warmup", curvature_warmup)
   settings = check_settings(
     factor_update_steps=factor_update_steps,
     inv_update_steps=inv_update_steps,
@@ -214,6 +218,7 @@ def check(
     factor_decay,
     factor_update_steps,
     inv_update_steps,
+    curvature_warmup,
     step_norm,
     kl_clip,
     lr,

@@ -27,7 +27,7 @@ ScalarOrSchedule = float | Callable[[Array], Any]
 IntOrSchedule = int | Callable[[Array], Any]
 
 
-RUNTIME = ("damping", "factor_decay", "factor_update_steps", "kl_clip", "lr")
+RUNTIME = ("damping", "factor_decay", "factor_update_steps", "curvature_warmup", "kl_clip", "lr")
 STATIC = ("inv_update_steps", "max_cost_ratio", "grad_worker_fraction", "axis_size", "mesh")
 
 
@@ -81,6 +81,18 @@ def check_scalar(
     _check_scalar(f"{name}(0)", at_zero, low, high, open_low)
   else:
     _check_scalar(name, value, low, high, open_low)
+
+
+def check_count(name: str, value: Any) -> None:
+  """Checks a count of steps: an int (or a scalar integer array, as injected) ``>= 0``."""
+  if callable(value):
+    raise TypeError(f"{name} must be an int, not a schedule, got {value!r}")
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral | np.ndarray | jax.Array):
+    raise TypeError(f"{name} must be an int, got {value!r}")
+  if np.ndim(value) != 0 or not jnp.issubdtype(jnp.result_type(value), jnp.integer):
+    raise TypeError(f"{name} must be an int, got {value!r}")
+  if not is_traced(value) and int(value) < 0:
+    raise ValueError(f"{name} must be at least 0, got {int(value)}")
 
 
 def check_steps(name: str, value: Any) -> int:

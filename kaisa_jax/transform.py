@@ -2,12 +2,14 @@
 
 Each step, with ``k`` the step count kept in the state:
 
-1. if ``k % factor_update_steps == 0``: the factors of the current batch
-   update the running averages (`kaisa_jax.factors`); each layer's factors are
-   reduced over the data-parallel devices onto the one device that owns it;
-2. if ``k % inv_update_steps == 0``: every device decomposes the factors it
-   owns (`kaisa_jax.preconditioning`) and shares them within its grad-worker
-   group; in between the last decompositions are used;
+1. if ``k % factor_update_steps == 0`` (or ``k < curvature_warmup``): the
+   factors of the current batch update the running averages
+   (`kaisa_jax.factors`); each layer's factors are reduced over the
+   data-parallel devices onto the one device that owns it;
+2. if ``k % inv_update_steps == 0`` (or ``k < curvature_warmup``): every
+   device decomposes the factors it owns (`kaisa_jax.preconditioning`) and
+   shares them within its grad-worker group; in between the last
+   decompositions are used;
 3. every step: each group preconditions its layers' gradients,
    ``P = (A (x) G + damping)^-1 V``, shares them with the other groups, and all
    of them are scaled by the KL clip ``nu``.
@@ -91,6 +93,7 @@ def kfac(
   factor_decay: hp.ScalarOrSchedule = 0.95,
   factor_update_steps: hp.IntOrSchedule = 10,
   inv_update_steps: hp.IntOrSchedule = 100,
+  curvature_warmup: int = 0,
   step_norm: str = preconditioning.GRADIENT,
   kl_clip: hp.ScalarOrSchedule | None = None,
   lr: hp.ScalarOrSchedule | None = None,
@@ -139,6 +142,13 @@ def kfac(
       only the current batch.
     factor_update_steps: update the factors every this many steps (int >= 1).
     inv_update_steps: recompute the decompositions every this many steps.
+    curvature_warmup: for the steps ``k < curvature_warmup``, update the
+      factors and recompute the decompositions at every step, whatever the
+      two cadences; from then on, on the cadences. The factors of the first
+      batch otherwise precondition every step until the first decompositions
+      after it, while the parameters move fastest. 0 (default): on the
+      cadences from step 0, as the KAISA reference. The plan weighs each
+      layer's decompositions by ``inv_update_steps``, not by the warmup's.
     step_norm: how long the preconditioned step is. ``"gradient"`` (default):
       each preconditioned layer's update ``nu P`` takes the norm of its
       gradient ``V`` (weight and bias together), ``nu = |V| / |P|`` layer by
@@ -196,13 +206,13 @@ def kfac(
     assignment_cost: ``"compute"`` (``n^3``) or ``"memory"`` (``n^2``), the cost
       by which layers are assigned to devices.
 
-  Every number but ``max_cost_ratio`` and the distribution arguments may be
-  an Optax schedule.
+  Every number but ``curvature_warmup``, ``max_cost_ratio`` and the
+  distribution arguments may be an Optax schedule.
   Under ``optax.inject_hyperparams``, ``damping``, ``lr``, ``kl_clip``,
-  ``factor_decay`` and ``factor_update_steps`` may be injected (changed in the
-  state between jitted steps); ``inv_update_steps``, ``max_cost_ratio``,
-  ``grad_worker_fraction`` and ``axis_size`` decide the layout of the state
-  and must be listed in ``static_args`` (a traced one raises saying so).
+  ``factor_decay``, ``factor_update_steps`` and ``curvature_warmup`` may be
+  injected (changed in the state between jitted steps); ``inv_update_steps``,
+  ``max_cost_ratio``, ``grad_worker_fraction`` and ``axis_size`` decide the
+  layout of the state and must be listed in ``static_args`` (a traced one raises saying so).
 
   Returns:
     A `KFAC` transformation (an ``optax.GradientTransformationExtraArgs``);
@@ -215,6 +225,7 @@ def kfac(
     factor_decay=factor_decay,
     factor_update_steps=factor_update_steps,
     inv_update_steps=inv_update_steps,
+    curvature_warmup=curvature_warmup,
     step_norm=step_norm,
     kl_clip=kl_clip,
     lr=lr,
@@ -364,14 +375,20 @@ def _update(
   return new_updates, state._replace(count=step + 1, kl_scale=nu)
 
 
+def _warming_up(config: config_lib.Config, step: Array) -> Array:
+  """Whether ``step`` is one of the first ``curvature_warmup``, refreshed whatever the cadences."""
+  return step < jnp.asarray(config.curvature_warmup, jnp.int32)
+
+
 def _update_factors_on_cadence(
   plan: Plan, config: config_lib.Config, state: KFACState, step: Array, curvature: Curvature
 ) -> KFACState:
-  """`phases.update_factors` at the steps ``k`` with ``k % factor_update_steps == 0``; else ``state``."""
+  """`phases.update_factors` at the steps ``k`` with ``k % factor_update_steps == 0`` or ``k <
+  curvature_warmup``; else ``state``."""
   every = hp.at(config.factor_update_steps, step, jnp.int32)
   decay = hp.at(config.factor_decay, step)
   return jax.lax.cond(
-    step % every == 0,
+    (step % every == 0) | _warming_up(config, step),
     lambda: phases.update_factors(
       plan,
       state,
@@ -388,10 +405,11 @@ def _update_factors_on_cadence(
 def _decompose_on_cadence(
   plan: Plan, config: config_lib.Config, state: KFACState, step: Array, damping: Array
 ) -> KFACState:
-  """`phases.decompose_factors` at the steps with ``k % inv_update_steps == 0``, or if the state asks."""
+  """`phases.decompose_factors` at the steps with ``k % inv_update_steps == 0`` or ``k <
+  curvature_warmup``, or if the state asks."""
   every = hp.at(config.inv_update_steps, step, jnp.int32)
   return jax.lax.cond(
-    (step % every == 0) | state.refresh,
+    (step % every == 0) | _warming_up(config, step) | state.refresh,
     lambda: phases.decompose_factors(plan, state, damping, plan.collectives),
     lambda: state,
   )

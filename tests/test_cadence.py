@@ -78,6 +78,81 @@ def test_factors_and_decompositions_change_only_on_their_steps():
   assert int(history[-1].count) == 7
 
 
+def _run(tx, params, grad_fn, data, state=None):
+  """The states after each step of ``data``."""
+  state = tx.init(params) if state is None else state
+  update = jax.jit(tx.update)
+  history = []
+  for x, y in data:
+    _, grads, curvature = grad_fn(params, x, y)
+    _, state = update(grads, state, params, curvature=curvature)
+    history.append(state)
+  return history
+
+
+def _changed(new, old) -> bool:
+  return not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(old)))
+
+
+def test_curvature_warmup_refreshes_every_step_then_follows_the_cadences():
+  cadences = dict(factor_update_steps=2, inv_update_steps=3, factor_decay=0.5)
+  data, params, grad_fn, tx = setup(curvature_warmup=4, **cadences)
+  history = _run(tx, params, grad_fn, data[:7])
+  for k in range(1, 7):
+    assert _changed(history[k].factors, history[k - 1].factors) == (k < 4 or k % 2 == 0), k
+    assert _changed(history[k].decompositions, history[k - 1].decompositions) == (
+      k < 4 or k % 3 == 0
+    ), k
+  # Through the warmup the state is that of cadences of 1, bit for bit.
+  _, _, _, every_step = setup(factor_update_steps=1, inv_update_steps=1, factor_decay=0.5)
+  for warm, ref_state in zip(history[:4], _run(every_step, params, grad_fn, data[:4])):
+    for a, b in zip(jax.tree.leaves(warm), jax.tree.leaves(ref_state)):
+      np.testing.assert_array_equal(a, b)
+  # Injected, the warmup is read from the state: at 0 the steps follow the cadences alone.
+  injected = optax.inject_hyperparams(kaisa_jax.kfac, static_args=("inv_update_steps",))(
+    grad_fn.layers(params, *data[0]),
+    step_norm="natural",
+    max_cost_ratio=None,
+    curvature_warmup=4,
+    **cadences,
+  )
+  state = injected.init(params)
+  state.hyperparams["curvature_warmup"] = jnp.asarray(0, jnp.int32)
+  _, _, _, plain = setup(**cadences)
+  for got, want in zip(
+    _run(injected, params, grad_fn, data[:3], state), _run(plain, params, grad_fn, data[:3])
+  ):
+    for a, b in zip(jax.tree.leaves(got.inner_state), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(a, b)
+
+
+def test_curvature_warmup_leaves_the_plan_as_the_cadences_make_it():
+  # A cadence of 1 weighs the decompositions 100x: the plan must not see the warmup's.
+  data, params, grad_fn, _ = setup()
+  layers = grad_fn.layers(params, *data[0])
+  for ratio in (4.0, 0.05):
+    plain = kaisa_jax.kfac(layers, max_cost_ratio=ratio)
+    warm = kaisa_jax.kfac(layers, max_cost_ratio=ratio, curvature_warmup=1000)
+    every_step = kaisa_jax.kfac(layers, max_cost_ratio=ratio, inv_update_steps=1)
+    assert str(warm.plan) == str(plain.plan)
+  assert str(every_step.plan) != str(plain.plan)  # the small ratio tells the cadences apart
+
+
+@pytest.mark.parametrize(
+  "value, error, message",
+  [
+    (-1, ValueError, "curvature_warmup must be at least 0"),
+    (2.5, TypeError, "curvature_warmup must be an int"),
+    (True, TypeError, "curvature_warmup must be an int"),
+    (lambda step: 10, TypeError, "not a schedule"),
+  ],
+)
+def test_curvature_warmup_is_a_count_of_steps(value, error, message):
+  data, params, grad_fn, _ = setup()
+  with pytest.raises(error, match=message):
+    kaisa_jax.kfac(grad_fn.layers(params, *data[0]), curvature_warmup=value)
+
+
 def test_running_average_is_bias_corrected():
   data, params, grad_fn, tx = setup(factor_update_steps=1, factor_decay=0.7)
   state = tx.init(params)
