@@ -51,7 +51,9 @@ in the results, K-FAC at its defaults but for each KL clip (`tune_clip`; a
 table of its own, `clip_table`). ``--tune-at 0.01`` tunes K-FAC at its
 defaults at damping 0.01 instead (``tuned_0.01``, a step rule's column of
 `clip_table` and `rule_spread_table`, and beside the defaults in the figure
-and the curvature tables).
+and the curvature tables). ``--curvature-warmup 100`` tunes K-FAC at its
+defaults but for ``curvature_warmup=100`` (`WARMUP`, a step rule's column of
+the same two tables).
 
 Run: ``python benchmarks/robustness.py [--problems vit gru ...] [--seeds 3]``
 (about two and a half hours on 2 CPU cores for the whole suite); more dampings
