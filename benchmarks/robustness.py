@@ -862,6 +862,18 @@ BLOCK = "robustness"  # the block of docs/benchmarks/robustness.md that `report`
 README_BLOCK = "robustness targets"  # README.md's, which `readme` writes
 
 
+def tune_each(parser, args, results: dict[str, Any], flag: str, key: str, **kwargs) -> None:
+  """`tune_kfac` (with ``kwargs``) into ``results[problem][key]`` for each of ``args.problems``,
+  saved after each; a problem with no tuned baseline in the results is an error of ``flag``."""
+  for name in args.problems:
+    if name not in results["problems"]:
+      parser.error(f"{flag}: {name} has no tuned baseline in {args.out}; train it first")
+    print(name, flush=True)
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    results["problems"][name][key] = tune_kfac(suite.SUITE[name](), args.seeds, log, **kwargs)
+    save(results, args.out)
+
+
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument(
@@ -933,26 +945,11 @@ def main(argv: list[str] | None = None) -> None:
         results["problems"][name]["kl_clip_damping"] = preconditioning.DEFAULT_DAMPING
         save(results, args.out)
   elif args.tune_at is not None and not (args.table or args.figure or args.page):
-    for name in args.problems:
-      if name not in results["problems"]:
-        parser.error(f"--tune-at: {name} has no tuned baseline in {args.out}; train it first")
-      print(name, flush=True)
-      tuned = tune_kfac(
-        suite.SUITE[name](), args.seeds, lambda s: print(s, flush=True), args.tune_at
-      )
-      results["problems"][name][f"tuned_{args.tune_at!r}"] = tuned
-      save(results, args.out)
+    key = f"tuned_{args.tune_at!r}"
+    tune_each(parser, args, results, "--tune-at", key, damping=args.tune_at)
   elif args.curvature_warmup is not None and not (args.table or args.figure or args.page):
-    for name in args.problems:
-      if name not in results["problems"]:
-        parser.error(
-          f"--curvature-warmup: {name} has no tuned baseline in {args.out}; train it first"
-        )
-      print(name, flush=True)
-      log = lambda s: print(s, flush=True)  # noqa: E731
-      kfac = {"curvature_warmup": args.curvature_warmup}
-      results["problems"][name][WARMUP] = tune_kfac(suite.SUITE[name](), args.seeds, log, kfac=kfac)
-      save(results, args.out)
+    kfac = {"curvature_warmup": args.curvature_warmup}
+    tune_each(parser, args, results, "--curvature-warmup", WARMUP, kfac=kfac)
   elif not (args.table or args.figure or args.page):
     for name in args.problems:
       print(name, flush=True)

@@ -73,7 +73,13 @@ class Config:
 
 
 def _check_step_norm(step_norm: str, kl_clip: Any, lr: Any) -> None:
-  """The KL clip bounds K-FAC's own step and needs ``lr``; nothing else reads ``lr``."""
+  """``kl_clip > 0``, ``lr >= 0``, ``step_norm`` one of its choices; the KL clip bounds K-FAC's own
+  step and needs ``lr``; nothing else reads ``lr``."""
+  if kl_clip is not None:
+    hp.check_scalar("kl_clip", kl_clip, 0.0, open_low=True)
+  if lr is not None:  # 0 too (a warmup's first step): the chained optimizer then moves nothing
+    hp.check_scalar("lr", lr, 0.0)
+  check_choice("step_norm", step_norm, preconditioning.STEP_NORMS)
   if step_norm == preconditioning.GRADIENT and kl_clip is not None:
     raise ValueError(
       "kl_clip bounds K-FAC's own step, but step_norm='gradient' (the default) gives each "
@@ -204,11 +210,6 @@ def check(
     assignment_cost=assignment_cost,
     factor_dtype=factor_dtype,
   )
-  if kl_clip is not None:
-    hp.check_scalar("kl_clip", kl_clip, 0.0, open_low=True)
-  if lr is not None:  # 0 too (a warmup's first step): the chained optimizer then moves nothing
-    hp.check_scalar("lr", lr, 0.0)
-  check_choice("step_norm", step_norm, preconditioning.STEP_NORMS)
   _check_step_norm(step_norm, kl_clip, lr)
   check_choice("damping_form", damping_form, preconditioning.DAMPING_FORMS)
   check_choice("weight_sharing", weight_sharing, factors_lib.WEIGHT_SHARING)

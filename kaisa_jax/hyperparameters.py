@@ -83,14 +83,19 @@ def check_scalar(
     _check_scalar(name, value, low, high, open_low)
 
 
+def _check_int(label: str, value: Any, what: str) -> None:
+  """Raises ``TypeError`` unless ``value`` is an int or a scalar integer array (``what`` names it)."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral | np.ndarray | jax.Array):
+    raise TypeError(f"{label} must be {what}, got {value!r}")
+  if np.ndim(value) != 0 or not jnp.issubdtype(jnp.result_type(value), jnp.integer):
+    raise TypeError(f"{label} must be {what}, got {value!r}")
+
+
 def check_count(name: str, value: Any) -> None:
   """Checks a count of steps: an int (or a scalar integer array, as injected) ``>= 0``."""
   if callable(value):
     raise TypeError(f"{name} must be an int, not a schedule, got {value!r}")
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral | np.ndarray | jax.Array):
-    raise TypeError(f"{name} must be an int, got {value!r}")
-  if np.ndim(value) != 0 or not jnp.issubdtype(jnp.result_type(value), jnp.integer):
-    raise TypeError(f"{name} must be an int, got {value!r}")
+  _check_int(name, value, "an int")
   if not is_traced(value) and int(value) < 0:
     raise ValueError(f"{name} must be at least 0, got {int(value)}")
 
@@ -99,12 +104,7 @@ def check_steps(name: str, value: Any) -> int:
   """Checks a step count or its schedule; returns its value at step 0 (1 if traced)."""
   at_zero = value(jnp.asarray(0, jnp.int32)) if callable(value) else value
   label = f"{name}(0)" if callable(value) else name
-  if isinstance(at_zero, bool) or not isinstance(
-    at_zero, numbers.Integral | np.ndarray | jax.Array
-  ):
-    raise TypeError(f"{label} must be a positive int, got {at_zero!r}")
-  if np.ndim(at_zero) != 0 or not jnp.issubdtype(jnp.result_type(at_zero), jnp.integer):
-    raise TypeError(f"{label} must be a positive int, got {at_zero!r}")
+  _check_int(label, at_zero, "a positive int")
   if is_traced(at_zero):  # injected: checked at init, when it was concrete
     return 1
   if int(at_zero) < 1:
