@@ -53,7 +53,8 @@ defaults at damping 0.01 instead (``tuned_0.01``, a step rule's column of
 `clip_table` and `rule_spread_table`, and beside the defaults in the figure
 and the curvature tables). ``--curvature-warmup 100`` tunes K-FAC at its
 defaults but for ``curvature_warmup=100`` (`WARMUP`, a step rule's column of
-the same two tables).
+the same two tables), and ``--damping-form bounded`` for ``damping_form="bounded"``
+(`BOUNDED`, likewise).
 
 Run: ``python benchmarks/robustness.py [--problems vit gru ...] [--seeds 3]``
 (about two and a half hours on 2 CPU cores for the whole suite); more dampings
@@ -416,6 +417,19 @@ def targets(results: dict[str, Any], key: str = "tuned") -> str:
   )
 
 
+def bounded_targets(results: dict[str, Any]) -> str:
+  """The targets' verdicts for ``damping_form="bounded"`` at its own tuned rate (`BOUNDED`), on
+  the problems it was run on; empty where it was run on none."""
+  rows = tuned_rows(results, BOUNDED)
+  if not rows:
+    return ""
+  return (
+    f'- With `damping_form="bounded"` (run on {len(rows)} of {len(results["problems"])}), its '
+    f"rate tuned alike: target 1 {_verdict(rows, 'ratio', TARGET_RATIO)}; target 2 "
+    f"{_verdict(rows, 'spread', TARGET_SPREAD)}."
+  )
+
+
 def _tuned_ratio(by_lr: dict[str, list[float]] | None, base: float) -> str:
   """The best rate's mean final loss over ``base``, and that rate (empty if not measured)."""
   if by_lr is None:
@@ -430,15 +444,21 @@ DEFAULT_RULE_TUNINGS = ("tuned", "tuned_0.01")
 # The defaults but for `kaisa_jax.kfac`'s ``curvature_warmup`` (``--curvature-warmup``; the entry
 # records it under ``kfac``).
 WARMUP = "tuned_warmup"
+# The defaults but for ``damping_form="bounded"`` (``--damping-form bounded``; recorded alike).
+BOUNDED = f"tuned_{preconditioning.BOUNDED}"
+# The tunings run on some problems only: their cells are left empty where they were not.
+PARTIAL_RULES = (WARMUP, BOUNDED)
 # The step rules measured with their own tuned rate (`tune_kfac`), each at the damping its entry
 # records: the default, each layer given its gradient's norm (``tuned``), the same with the
 # curvature refreshed at every step of a warmup (`WARMUP`) and with its
 # rate tuned at a damping of 0.01 instead (``tuned_0.01``); one norm for all layers together, the
 # default before (``tuned_global``); and K-FAC's own step under the KAISA reference's KL clip, the
-# default before that (``tuned_kl_clip``).
+# default before that (``tuned_kl_clip``). Beside them, the default step rule with the damping
+# bounded by each layer's curvature (`BOUNDED`).
 STEP_RULES = {
   "tuned": "each layer's gradient norm (default)",
   WARMUP: "each layer's gradient norm, curvature warmup",
+  BOUNDED: "each layer's gradient norm, damping form bounded",
   "tuned_0.01": "each layer's gradient norm",
   "tuned_global": "all layers' gradient norm as one",
   "tuned_kl_clip": "natural, kl_clip 0.001 (KAISA)",
@@ -513,8 +533,10 @@ def rule_spread_table(results: dict[str, Any]) -> str:
   """Per problem and step rule of `STEP_RULES`, at the rule's tuned rate: the worst over the best
   final loss across `DAMPINGS` (`tuned_rows`), and the target's verdict per rule."""
   rows = {key: tuned_rows(results, key) for key in STEP_RULES}
-  # The problems every rule but the warmup ran on (the warmup's cell left empty where it did not).
-  names = [n for n in results["problems"] if all(n in rows[k] for k in rows if k != WARMUP)]
+  # The problems every rule but the partial ones ran on (their cells left empty where they did not).
+  names = [
+    n for n in results["problems"] if all(n in rows[k] for k in rows if k not in PARTIAL_RULES)
+  ]
   lines = [
     "| model | " + " | ".join(_rule_labels(results)) + " |",
     "|---|" + "---:|" * len(STEP_RULES),
@@ -691,9 +713,9 @@ def readme(results: dict[str, Any], rerun: dict[str, Any] | None = None) -> str:
   """K-FAC at its defaults against each tuned baseline, and the targets (README's block); with
   ``rerun``, the targets as read from it."""
   text = tuned_table(results) + "\n\n" + targets(results)
-  line = same_cpu(results, rerun) if rerun is not None else ""
-  if line:
-    text += "\n" + line
+  for line in (bounded_targets(results), same_cpu(results, rerun) if rerun is not None else ""):
+    if line:
+      text += "\n" + line
   if rerun is not None:
     rows = tuned_rows(rerun, rerun_key(rerun))
     text += (
@@ -766,6 +788,7 @@ def report(results: dict[str, Any], rerun: dict[str, Any] | None = None) -> str:
       "baseline's; then each damping at that rate, over the baseline's:",
       tuned_table(results),
       targets(results)
+      + ("\n" + line if (line := bounded_targets(results)) else "")
       + ("\n" + line if rerun is not None and (line := same_cpu(results, rerun)) else ""),
     ]
   if tuned and rerun is not None:
@@ -777,14 +800,17 @@ def report(results: dict[str, Any], rerun: dict[str, Any] | None = None) -> str:
   if any("kl_clip" in r for r in results["problems"].values()):
     parts += [
       "K-FAC at its defaults (each layer's step given its gradient's norm), the same with the "
-      "curvature refreshed at every step of a warmup (`curvature_warmup`), with one norm for "
+      "curvature refreshed at every step of a warmup (`curvature_warmup`), with the damping "
+      'bounded by each layer\'s mean curvature (`damping_form="bounded"`), with one norm for '
       "all layers together (the default before), then with K-FAC's own step length "
       '(`step_norm="natural"`) under each KL clip (`kl_clip`; 1e-3 the KAISA reference\'s, this '
       "library's default before the gradient's norm), each learning rate tuned by the same rule; "
       "each cell its final loss over the baseline's, and its rate:",
       clip_table(results),
     ]
-  if any(all(k in r for k in STEP_RULES if k != WARMUP) for r in results["problems"].values()):
+  if any(
+    all(k in r for k in STEP_RULES if k not in PARTIAL_RULES) for r in results["problems"].values()
+  ):
     parts += [
       "Worst over best final loss across dampings 1e-4 to 1e-1, each step rule at its own tuned "
       "rate:",
@@ -912,6 +938,12 @@ def main(argv: list[str] | None = None) -> None:
     help="train only K-FAC at its defaults but for kfac's curvature_warmup, its rate tuned by "
     f"the same rule (the results' {WARMUP}), for problems already in the results file",
   )
+  parser.add_argument(
+    "--damping-form",
+    choices=[preconditioning.BOUNDED],
+    help="train only K-FAC at its defaults but for this damping form, its rate tuned by the same "
+    f"rule (the results' {BOUNDED}), for problems already in the results file",
+  )
   parser.add_argument("--table", action="store_true", help="print the tables of the saved results")
   parser.add_argument("--figure", type=Path, help="draw the saved results into this file")
   parser.add_argument(
@@ -950,6 +982,9 @@ def main(argv: list[str] | None = None) -> None:
   elif args.curvature_warmup is not None and not (args.table or args.figure or args.page):
     kfac = {"curvature_warmup": args.curvature_warmup}
     tune_each(parser, args, results, "--curvature-warmup", WARMUP, kfac=kfac)
+  elif args.damping_form is not None and not (args.table or args.figure or args.page):
+    kfac = {"damping_form": args.damping_form}
+    tune_each(parser, args, results, "--damping-form", BOUNDED, kfac=kfac)
   elif not (args.table or args.figure or args.page):
     for name in args.problems:
       print(name, flush=True)

@@ -34,7 +34,13 @@ counts as 1) and ``lambda`` the ``damping`` hyperparameter:
   pi I)`` with ``pi = sqrt(mA / mG)``. Eigen:
   ``D = (da + pi sqrt(lambda)) (dg + sqrt(lambda) / pi)^T``; inverse:
   ``sa = pi sqrt(lambda)``, ``sg = sqrt(lambda) / pi``.
-  The two factored forms give the same preconditioner with either method, up
+* ``"bounded"``: the pi-corrected form with the damping bounded by the
+  layer's mean curvature, ``min(lambda, mA mG)`` for ``lambda`` (`BOUND`):
+  where ``lambda`` exceeds it, each factor is damped by its own mean
+  eigenvalue, ``sa = mA``, ``sg = mG``, the relative form at ``lambda = 1``. A
+  damping above the curvature turns the step towards the plain gradient's
+  direction; the bound keeps every layer's step a curvature step.
+  The factored forms give the same preconditioner with either method, up
   to rounding.
 * ``"kaisa"``: the absolute damping of the KAISA reference. Eigen:
   ``D = da dg^T + lambda``; inverse: ``sa = sg = lambda`` (a different, stronger
@@ -72,8 +78,12 @@ METHODS = (EIGEN, INVERSE)
 
 KAISA = "kaisa"
 PI = "pi"
+BOUNDED = "bounded"
 RELATIVE = "relative"
-DAMPING_FORMS = (PI, RELATIVE, KAISA)
+DAMPING_FORMS = (PI, BOUNDED, RELATIVE, KAISA)
+# The bounded form's ceiling on a layer's damping, in units of its curvature ``mA mG``: at most
+# the layer's mean curvature.
+BOUND = 1.0
 # The default form, and the damping it is used with: the best over the models of
 # benchmarks/robustness.py (their final loss against each model's tuned
 # first-order optimizer). With the learning rate tuned at 0.01 instead K-FAC ends
@@ -132,6 +142,8 @@ def side_damping(form: str, damping: Array, mean_a: Array, mean_g: Array) -> tup
   root = jnp.sqrt(damping)
   if form == RELATIVE:
     return root * mean_a, root * mean_g
+  if form == BOUNDED:
+    root = jnp.minimum(root, jnp.sqrt(BOUND * mean_a * mean_g))
   pi = jnp.sqrt(mean_a / mean_g)
   return root * pi, root / pi
 

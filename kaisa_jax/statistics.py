@@ -7,7 +7,7 @@ clamped at 0) and the damping ``lambda`` of the step:
 * the relative damping ``lambda / (mean(a) mean(g))``: the damping against the
   mean eigenvalue of ``A (x) G``, the layer's curvature scale (with
   ``damping_form="relative"``, whose damping is already in those units, it is
-  ``lambda`` itself). Below about
+  ``lambda`` itself; with ``"bounded"`` it is at most 1). Below about
   `NEGLIGIBLE_DAMPING` the damping does not regularise (directions the factors
   barely see are scaled by up to ``1 / lambda``); above about
   `DROWNING_DAMPING` it drowns the curvature (the step is about
@@ -18,7 +18,7 @@ clamped at 0) and the damping ``lambda`` of the step:
   method and ``(max(a) + lambda)(max(g) + lambda) / ((min(a) + lambda)(min(g) +
   lambda))`` for the inverse method, whose preconditioner is
   ``(A + lambda I)^-1 (x) (G + lambda I)^-1``; with a factored form (``"pi"``,
-  ``"relative"``) ``(max(a) + sa)(max(g) + sg) / ((min(a) + sa)(min(g) + sg))``
+  ``"bounded"``, ``"relative"``) ``(max(a) + sa)(max(g) + sg) / ((min(a) + sa)(min(g) + sg))``
   for both methods, ``sa`` and ``sg`` the factors' shares of the damping.
 
 A convolution with ``k > 1`` feature groups has one pair of factors per group:
@@ -174,9 +174,10 @@ def layer_statistics(
   top = damped_curvature(hi_a, hi_g, method, damping, form, shares).max()
   bottom = damped_curvature(lo_a, lo_g, method, damping, form, shares).min()
   scale = jnp.mean(mean_a * mean_g)
-  # The damping in units of the curvature: lambda, or for the relative form the
-  # product of its shares, lambda times the factors' (nonzero) mean eigenvalues.
-  absolute = jnp.mean(shares[0] * shares[1]) if form == preconditioning.RELATIVE else damping
+  # The damping in units of the curvature: lambda, or for the relative and bounded forms the
+  # product of their shares (lambda times the factors' nonzero mean eigenvalues; min(lambda, mA mG)).
+  factored = form in (preconditioning.RELATIVE, preconditioning.BOUNDED)
+  absolute = jnp.mean(shares[0] * shares[1]) if factored else damping
   relative = jnp.where(scale > 0, absolute / jnp.where(scale > 0, scale, 1.0), jnp.inf)
   return LayerStatistics(
     Eigenvalues(a.min(), a.max(), a.mean()),

@@ -131,11 +131,14 @@ def kfac(
       ``mA``, ``mG`` each factor's mean eigenvalue): ``"pi"`` (default:
       factored Tikhonov damping with the pi-correction, Martens and Grosse
       2015, ``(A + pi sqrt(lambda) I) (x) (G + sqrt(lambda) / pi I)``,
-      ``pi = sqrt(mA / mG)``), ``"relative"`` (``(A + sqrt(lambda) mA I) (x)
-      (G + sqrt(lambda) mG I)``: each factor damped relative to its own scale)
-      or ``"kaisa"`` (the KAISA reference's absolute ``A (x) G + lambda I``;
-      with the inverse method ``(A + lambda I)^-1 V (G + lambda I)^-1``). The
-      default pair, ``"pi"`` at 0.1, is the best of the three forms at
+      ``pi = sqrt(mA / mG)``), ``"bounded"`` (the same with ``lambda``
+      bounded by each layer's mean curvature, ``min(lambda, mA mG)``: a large
+      damping cannot turn a layer's step into the gradient's direction),
+      ``"relative"`` (``(A + sqrt(lambda) mA I) (x) (G + sqrt(lambda) mG I)``:
+      each factor damped relative to its own scale) or ``"kaisa"`` (the KAISA
+      reference's absolute ``A (x) G + lambda I``; with the inverse method
+      ``(A + lambda I)^-1 V (G + lambda I)^-1``). The default pair, ``"pi"`` at
+      0.1, is the best of the forms ``"pi"``, ``"relative"`` and ``"kaisa"`` at
       dampings 1e-4 to 1e-1 over the eight models of
       ``benchmarks/robustness.py``.
     factor_decay: running-average decay of the factors, in ``[0, 1)``; 0 keeps

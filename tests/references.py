@@ -125,7 +125,8 @@ def damped_solve(
   ``A (x) G + damping I``, inverse ``(A + damping I)^-1 V (G + damping I)^-1``.
   The factored forms solve ``(A + sa I) (x) (G + sg I)`` with either method:
   ``sa, sg = sqrt(damping) mA, sqrt(damping) mG`` (``"relative"``) or
-  ``pi sqrt(damping), sqrt(damping) / pi`` with ``pi = sqrt(mA / mG)`` (``"pi"``).
+  ``pi sqrt(damping), sqrt(damping) / pi`` with ``pi = sqrt(mA / mG)`` (``"pi"``; with
+  ``"bounded"`` the damping first replaced by ``min(damping, mA mG)``).
   """
   ia, ig = np.eye(a.shape[0]), np.eye(g.shape[0])
   ma, mg = np.trace(a) / a.shape[0], np.trace(g) / g.shape[0]
@@ -135,6 +136,8 @@ def damped_solve(
       return np.linalg.inv(a + damping * ia) @ v @ np.linalg.inv(g + damping * ig)
     system = np.kron(a, g) + damping * np.eye(a.shape[0] * g.shape[0])
   else:
+    if form == "bounded":
+      root = min(root, np.sqrt(ma * mg))
     sa, sg = (root * ma, root * mg) if form == "relative" else (root * pi, root / pi)
     system = np.kron(a + sa * ia, g + sg * ig)
   return np.linalg.solve(system, v.reshape(-1)).reshape(v.shape)

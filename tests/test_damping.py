@@ -59,6 +59,37 @@ def test_dense_layer_each_form_matches_dense_solve(x64, form, method):
 
 
 @pytest.mark.parametrize("method", METHODS)
+def test_bounded_form_stops_the_damping_at_the_layers_curvature(x64, method):
+  """``"bounded"`` is ``"pi"`` at a damping below the layer's mean curvature ``mA mG``
+  (0.28 here), and ``"pi"`` at ``mA mG`` above it: the dense solve of each."""
+  model, params, x, head = _dense_problem()
+  loss_fn = lambda p, x: head(model.apply(p, x))  # noqa: E731
+  g = np.asarray(jax.grad(head)(model.apply(params, x)))
+  a_ref = ref.input_factor(ref.dense_rows(np.asarray(x), True))
+  g_ref = ref.output_factor(g, n=8)
+  curvature = np.trace(a_ref) / 6 * np.trace(g_ref) / 3
+  for damping, as_pi in ((DAMPING, DAMPING), (20 * curvature, curvature)):
+    grads, _, _, _, updates = one_update(
+      loss_fn,
+      params,
+      x,
+      damping=damping,
+      damping_form="bounded",
+      compute_method=method,
+      factor_dtype=jnp.float64,
+    )
+    v = ref.gradient_matrix(grads["params"]["kernel"], grads["params"]["bias"], 1)[0]
+    got = ref.gradient_matrix(updates["params"]["kernel"], updates["params"]["bias"], 1)[0]
+    expected = ref.damped_solve(a_ref, g_ref, v, as_pi, "pi", method)
+    np.testing.assert_allclose(got, expected, rtol=1e-8, atol=1e-12)
+    np.testing.assert_allclose(
+      got, ref.damped_solve(a_ref, g_ref, v, damping, "bounded", method), rtol=1e-8, atol=1e-12
+    )
+  # Above the curvature the bound acts: pi's own damping would give another step.
+  assert not np.allclose(got, ref.damped_solve(a_ref, g_ref, v, damping, "pi", method))
+
+
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("form", FORMS)
 def test_embedding_diagonal_side_each_form_matches_dense_solve(x64, form, method):
   """An embedding lookup's ``A`` is diagonal (token frequencies): its scale enters alike."""

@@ -120,6 +120,11 @@ def test_clip_table_compares_each_clips_best_rate_with_the_baseline():
           "by_lr": {"0.1": [8.0, 8.0], "0.3": [3.0, 3.0]},
           "kfac": {"curvature_warmup": 100},
         },
+        "tuned_bounded": {
+          "damping": 0.1,
+          "by_lr": {"0.1": [0.6, 0.6], "0.3": [1.0, 1.0]},
+          "kfac": {"damping_form": "bounded"},
+        },
         "tuned_kl_clip": {"damping": 0.1, "by_lr": {"0.1": [6.0, 6.0], "0.3": [7.0, 7.0]}},
         "kl_clip": {"None": {"0.1": [8.0, 8.0]}, "0.01": {"0.1": [9.0, 9.0], "0.3": [0.5, 0.5]}},
         "kl_clip_damping": 0.1,
@@ -140,16 +145,17 @@ def test_clip_table_compares_each_clips_best_rate_with_the_baseline():
   assert lines[0] == (
     "| model | baseline: lr, final loss | each layer's gradient norm (default), damping 0.1 | "
     "each layer's gradient norm, curvature warmup 100, damping 0.1 | "
+    "each layer's gradient norm, damping form bounded, damping 0.1 | "
     "each layer's gradient norm, damping 0.01 | all layers' gradient norm as one, damping 0.1 | "
     "natural, kl_clip 0.001 (KAISA), damping 0.1 | natural, kl_clip 1e-05, damping 0.1 | "
     "natural, kl_clip 0.01, damping 0.1 | natural, no clip, damping 0.1 |"
   )
   assert lines[2] == (
-    "| a | sgd 0.3, 2 | 1 (lr 0.1) | 1.5 (lr 0.3) | 0.5 (lr 0.3) |  | 3 (lr 0.1) |  "
+    "| a | sgd 0.3, 2 | 1 (lr 0.1) | 1.5 (lr 0.3) | 0.3 (lr 0.1) | 0.5 (lr 0.3) |  | 3 (lr 0.1) |  "
     "| 0.25 (lr 0.3) | 4 (lr 0.1) |"
   )
   assert lines[3] == (
-    "| b | sgd 0.1, 1 | 3 (lr 0.03) |  |  | 0.5 (lr 0.1) | 0.25 (lr 0.3) | 2 (lr 0.1) "
+    "| b | sgd 0.1, 1 | 3 (lr 0.03) |  |  |  | 0.5 (lr 0.1) | 0.25 (lr 0.3) | 2 (lr 0.1) "
     "| 0.5 (lr 0.1) |  |"
   )
   # Warmups of different lengths on different problems cannot share a column.
@@ -187,6 +193,7 @@ def test_rule_spread_table_gives_each_rules_worst_over_best_damping():
         "tuned_global": tuned(1.0, 3.0, 2.0, 1.5),
         "tuned_kl_clip": tuned(2.0, 4.0, 1.0, 1.0),
         "tuned_warmup": tuned(1.0, 2.5, 1.0, 1.0) | {"kfac": {"curvature_warmup": 100}},
+        "tuned_bounded": tuned(2.0, 1.0, 1.0, 1.0) | {"kfac": {"damping_form": "bounded"}},
       },
       "b": {
         "lr": 0.1,
@@ -206,14 +213,15 @@ def test_rule_spread_table_gives_each_rules_worst_over_best_damping():
   lines = robustness.rule_spread_table(results).splitlines()
   assert lines[0] == (
     "| model | each layer's gradient norm (default), damping 0.1 | each layer's gradient norm, "
-    "curvature warmup 100, damping 0.1 | each layer's gradient norm, damping 0.01 | all layers' "
+    "curvature warmup 100, damping 0.1 | each layer's gradient norm, damping form bounded, "
+    "damping 0.1 | each layer's gradient norm, damping 0.01 | all layers' "
     "gradient norm as one, damping 0.1 | natural, kl_clip 0.001 (KAISA), damping 0.1 |"
   )
-  # The warmup, run on one problem of the two, is counted on that one.
+  # The warmup and the bounded form, run on one problem of the two, are counted on that one.
   assert lines[2:] == [
-    "| a | 1.5 | 2.5 | 3 | 3 | 4 |",
-    "| b | 2 |  | 1 | diverged | 1 |",
-    "| within 2x | 2 of 2 | 0 of 1 | 1 of 2 | 0 of 2 | 1 of 2 |",
+    "| a | 1.5 | 2.5 | 2 | 3 | 3 | 4 |",
+    "| b | 2 |  |  | 1 | diverged | 1 |",
+    "| within 2x | 2 of 2 | 0 of 1 | 1 of 1 | 1 of 2 | 0 of 2 | 1 of 2 |",
   ]
 
 

@@ -82,9 +82,11 @@ def _reference(kfac, state, damping: float) -> dict:
     form = kfac.plan.damping_form
     # The damping's shares of each factor, per group (kaisa: all of it on both).
     ma, mg = a.mean(1), g.mean(1)
+    bounded = np.minimum(damping, ma * mg)
     sa, sg = {
       "kaisa": (damping, damping),
       "pi": (np.sqrt(damping * ma / mg), np.sqrt(damping * mg / ma)),
+      "bounded": (np.sqrt(bounded * ma / mg), np.sqrt(bounded * mg / ma)),
       "relative": (np.sqrt(damping) * ma, np.sqrt(damping) * mg),
     }[form]
     if t.method == "eigen" and form == "kaisa":
@@ -92,7 +94,7 @@ def _reference(kfac, state, damping: float) -> dict:
     else:
       lo, hi = ((x + sa) * (y + sg) for x, y in ext)
     scale = np.mean(ma * mg)
-    absolute = np.mean(sa * sg) if form == "relative" else damping
+    absolute = np.mean(sa * sg) if form in ("relative", "bounded") else damping
     out[name] = (a.min(), a.max(), a.mean(), g.min(), g.max(), g.mean())
     out[name] += (absolute / scale, hi.max() / lo.min())
   return out
@@ -131,7 +133,7 @@ def test_statistics_equal_a_float64_computation_from_the_factors(method):
   np.testing.assert_array_equal(stats.kl_scale, state.kl_scale)
 
 
-@pytest.mark.parametrize("form", ["pi", "relative"])
+@pytest.mark.parametrize("form", ["pi", "bounded", "relative"])
 @pytest.mark.parametrize("method", ["eigen", "inverse, diagonal sides"])
 def test_statistics_of_the_factored_damping_forms(method, form):
   """A factored form damps both sides by shares: the same condition number for either method."""
@@ -146,6 +148,9 @@ def test_statistics_of_the_factored_damping_forms(method, form):
       )
     # The default damping sits on the threshold: rounding below it is not negligible.
     assert kaisa_jax.check_damping(stats, "natural") == ({}, {})
+  if form == "bounded":  # at most the layer's curvature, and here the bound acts on some layers
+    relative = [float(s.relative_damping) for s in stats.layers.values()]
+    assert max(relative) == pytest.approx(1.0, rel=1e-5) and min(relative) < 0.9
 
 
 def test_a_damping_schedule_is_read_at_the_last_step():
