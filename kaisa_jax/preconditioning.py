@@ -35,16 +35,17 @@ counts as 1) and ``lambda`` the ``damping`` hyperparameter:
   ``D = (da + pi sqrt(lambda)) (dg + sqrt(lambda) / pi)^T``; inverse:
   ``sa = pi sqrt(lambda)``, ``sg = sqrt(lambda) / pi``.
 * ``"bounded"``: the pi-corrected form with the damping bounded by the
-  layer's mean curvature, ``min(lambda, mA mG)`` for ``lambda`` (`BOUND`):
-  where ``lambda`` exceeds it, each factor is damped by its own mean
-  eigenvalue, ``sa = mA``, ``sg = mG``, the relative form at ``lambda = 1``. A
-  damping above the curvature turns the step towards the plain gradient's
-  direction; the bound keeps every layer's step a curvature step.
-  The factored forms give the same preconditioner with either method, up
-  to rounding.
+  layer's mean curvature, ``min(lambda, mA mG)`` for ``lambda``: where
+  ``lambda`` exceeds it, each factor is damped by its own mean eigenvalue,
+  ``sa = mA``, ``sg = mG``, the relative form at ``lambda = 1``. A damping
+  above the curvature turns the step towards the plain gradient's direction;
+  the bound keeps every layer's step a curvature step.
 * ``"kaisa"``: the absolute damping of the KAISA reference. Eigen:
   ``D = da dg^T + lambda``; inverse: ``sa = sg = lambda`` (a different, stronger
   regulariser than the eigen method's for the same ``lambda``).
+
+The three factored forms give the same preconditioner with either method, up
+to rounding.
 
 A side may be kept diagonal (its factor is then a vector of the diagonal):
 its basis is the identity and its eigenvalues are the diagonal itself.
@@ -81,9 +82,6 @@ PI = "pi"
 BOUNDED = "bounded"
 RELATIVE = "relative"
 DAMPING_FORMS = (PI, BOUNDED, RELATIVE, KAISA)
-# The bounded form's ceiling on a layer's damping, in units of its curvature ``mA mG``: at most
-# the layer's mean curvature.
-BOUND = 1.0
 # The default form, and the damping it is used with: the best over the models of
 # benchmarks/robustness.py (their final loss against each model's tuned
 # first-order optimizer). With the learning rate tuned at 0.01 instead K-FAC ends
@@ -143,7 +141,7 @@ def side_damping(form: str, damping: Array, mean_a: Array, mean_g: Array) -> tup
   if form == RELATIVE:
     return root * mean_a, root * mean_g
   if form == BOUNDED:
-    root = jnp.minimum(root, jnp.sqrt(BOUND * mean_a * mean_g))
+    root = jnp.minimum(root, jnp.sqrt(mean_a * mean_g))
   pi = jnp.sqrt(mean_a / mean_g)
   return root * pi, root / pi
 
