@@ -80,7 +80,10 @@ def test_kfac_at_its_defaults_is_tuned_like_the_baseline():
     for key, damping in (
       ("tuned", robustness.preconditioning.DEFAULT_DAMPING),
       ("tuned_0.01", 0.01),
+      (robustness.BOUNDED, robustness.preconditioning.DEFAULT_DAMPING),  # where it was run
     ):
+      if key == robustness.BOUNDED and key not in r:
+        continue
       t = r[key]
       for by_lr, lr in ((t["by_lr"], t["lr"]), (r["baseline"], r["lr"])):
         rates = sorted(float(k) for k in by_lr)
@@ -100,6 +103,10 @@ def test_kfac_at_its_defaults_is_tuned_like_the_baseline():
         # Where no seed diverged, every run's layers have a positive relative damping.
         if all(map(math.isfinite, dampings[d])):
           assert all(0 < c["min_relative_damping"] <= c["max_relative_damping"] for c in runs), name
+      if key == robustness.BOUNDED:  # the bounded runs: no layer damped above its curvature
+        assert t["kfac"] == {"damping_form": "bounded"}, name
+        tops = [c["max_relative_damping"] for runs in t["curvature"].values() for c in runs]
+        assert max(tops) <= 1.0 + 1e-5, name
 
 
 def test_clip_table_compares_each_clips_best_rate_with_the_baseline():
