@@ -417,6 +417,14 @@ def targets(results: dict[str, Any], key: str = "tuned") -> str:
   )
 
 
+def _verdicts(rows: dict[str, dict[str, float]]) -> str:
+  """Both targets' verdicts over ``rows`` (`tuned_rows`), as one clause."""
+  return (
+    f"target 1 {_verdict(rows, 'ratio', TARGET_RATIO)}; target 2 "
+    f"{_verdict(rows, 'spread', TARGET_SPREAD)}"
+  )
+
+
 def bounded_targets(results: dict[str, Any]) -> str:
   """The targets' verdicts for ``damping_form="bounded"`` at its own tuned rate (`BOUNDED`), on
   the problems it was run on; empty where it was run on none."""
@@ -425,8 +433,7 @@ def bounded_targets(results: dict[str, Any]) -> str:
     return ""
   return (
     f'- With `damping_form="bounded"` (run on {len(rows)} of {len(results["problems"])}), its '
-    f"rate tuned alike: target 1 {_verdict(rows, 'ratio', TARGET_RATIO)}; target 2 "
-    f"{_verdict(rows, 'spread', TARGET_SPREAD)}."
+    f"rate tuned alike: {_verdicts(rows)}."
   )
 
 
@@ -463,6 +470,8 @@ STEP_RULES = {
   "tuned_global": "all layers' gradient norm as one",
   "tuned_kl_clip": "natural, kl_clip 0.001 (KAISA)",
 }
+# The step rules run on every problem that has the step rules' table.
+FULL_RULES = tuple(k for k in STEP_RULES if k not in PARTIAL_RULES)
 
 
 def _one_damping(found: set[float], what: str) -> float | None:
@@ -533,10 +542,8 @@ def rule_spread_table(results: dict[str, Any]) -> str:
   """Per problem and step rule of `STEP_RULES`, at the rule's tuned rate: the worst over the best
   final loss across `DAMPINGS` (`tuned_rows`), and the target's verdict per rule."""
   rows = {key: tuned_rows(results, key) for key in STEP_RULES}
-  # The problems every rule but the partial ones ran on (their cells left empty where they did not).
-  names = [
-    n for n in results["problems"] if all(n in rows[k] for k in rows if k not in PARTIAL_RULES)
-  ]
+  # The problems every full rule ran on (the partial ones' cells left empty where they did not).
+  names = [n for n in results["problems"] if all(n in rows[k] for k in FULL_RULES)]
   lines = [
     "| model | " + " | ".join(_rule_labels(results)) + " |",
     "|---|" + "---:|" * len(STEP_RULES),
@@ -719,9 +726,8 @@ def readme(results: dict[str, Any], rerun: dict[str, Any] | None = None) -> str:
   if rerun is not None:
     rows = tuned_rows(rerun, rerun_key(rerun))
     text += (
-      f"\n- {_rerun_subject(rerun)}, trained again on another CPU, same code and seeds: target 1 "
-      f"{_verdict(rows, 'ratio', TARGET_RATIO)}; target 2 "
-      f"{_verdict(rows, 'spread', TARGET_SPREAD)}. Target 1 by the ratio of the seeds' medians, "
+      f"\n- {_rerun_subject(rerun)}, trained again on another CPU, same code and seeds: "
+      f"{_verdicts(rows)}. Target 1 by the ratio of the seeds' medians, "
       f"in both runs: {_median_verdict(results, rerun)}."
     )
   return text
@@ -808,9 +814,7 @@ def report(results: dict[str, Any], rerun: dict[str, Any] | None = None) -> str:
       "each cell its final loss over the baseline's, and its rate:",
       clip_table(results),
     ]
-  if any(
-    all(k in r for k in STEP_RULES if k not in PARTIAL_RULES) for r in results["problems"].values()
-  ):
+  if any(all(k in r for k in FULL_RULES) for r in results["problems"].values()):
     parts += [
       "Worst over best final loss across dampings 1e-4 to 1e-1, each step rule at its own tuned "
       "rate:",

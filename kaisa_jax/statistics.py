@@ -174,10 +174,9 @@ def layer_statistics(
   top = damped_curvature(hi_a, hi_g, method, damping, form, shares).max()
   bottom = damped_curvature(lo_a, lo_g, method, damping, form, shares).min()
   scale = jnp.mean(mean_a * mean_g)
-  # The damping in units of the curvature: lambda, or for the relative and bounded forms the
-  # product of their shares (lambda times the factors' nonzero mean eigenvalues; min(lambda, mA mG)).
-  factored = form in (preconditioning.RELATIVE, preconditioning.BOUNDED)
-  absolute = jnp.mean(shares[0] * shares[1]) if factored else damping
+  # The damping in units of the curvature: lambda for KAISA's, and for a factored form the
+  # product of its shares (lambda for pi, lambda mA mG for relative, min(lambda, mA mG) bounded).
+  absolute = damping if form == preconditioning.KAISA else jnp.mean(shares[0] * shares[1])
   relative = jnp.where(scale > 0, absolute / jnp.where(scale > 0, scale, 1.0), jnp.inf)
   return LayerStatistics(
     Eigenvalues(a.min(), a.max(), a.mean()),
