@@ -7,14 +7,16 @@ other experiment or test tunes anything on):
    grid of learning rates, extended by one point past whichever end wins,
    until an inner point wins (at most `MAX_EXTENSIONS` times); the tuned rate
    is the one with the lowest final loss averaged over the seeds;
-2. K-FAC chained with that optimizer at the tuned rate, every other argument
-   at its default, for each damping form (``"relative"``, ``"pi"``,
-   ``"kaisa"``) and each damping in `DAMPINGS`, from the same seeds;
-3. K-FAC at its defaults (`kaisa_jax.kfac` given only ``layers`` and ``lr``)
-   with its own learning rate, tuned by the same rule on the same grid, then
-   each damping of `DAMPINGS` at that rate (`tune_kfac`). The targets are read
-   from these runs (`targets`): at its defaults K-FAC ends at or below the
-   baseline, and every damping from 1e-4 to 1e-1 within 2x of the best.
+2. K-FAC chained with that optimizer at the tuned rate, under the KAISA
+   reference's step rule (`FORMS_STEP`), every other argument at its default,
+   for each damping form (`FORMS`) and each damping in `DAMPINGS`, from the
+   same seeds;
+3. K-FAC at its defaults (`kaisa_jax.kfac` given only ``layers`` and ``lr``;
+   the damping form ``"bounded"``) with its own learning rate, tuned by the
+   same rule on the same grid, then each damping of `DAMPINGS` at that rate
+   (`tune_kfac`). The targets are read from these runs (`targets`): at its
+   defaults K-FAC ends at or below the baseline, and every damping from 1e-4
+   to 1e-1 within 2x of the best.
 
 The final loss of a run is the mean training loss of its last
 `experiments.suite.TAIL` steps (minibatch losses, dropout included). Every run
@@ -53,14 +55,15 @@ defaults at damping 0.01 instead (``tuned_0.01``, a step rule's column of
 `clip_table` and `rule_spread_table`, and beside the defaults in the figure
 and the curvature tables). ``--curvature-warmup 100`` tunes K-FAC at its
 defaults but for ``curvature_warmup=100`` (`WARMUP`, a step rule's column of
-the same two tables), and ``--damping-form bounded`` for ``damping_form="bounded"``
-(`BOUNDED`, likewise).
+the same two tables), and ``--damping-form pi`` for ``damping_form="pi"``, the
+default before ``"bounded"`` (`FORMER_DEFAULT`, likewise, and its verdicts beside
+the defaults').
 
 Run: ``python benchmarks/robustness.py [--problems vit gru ...] [--seeds 3]``
 (about two and a half hours on 2 CPU cores for the whole suite); more dampings
-for some forms, keeping the tuned baselines: ``--forms pi relative --dampings 1
-10 100 --reuse-baseline``; only step 3, keeping the rest: ``--forms
---reuse-baseline``.
+for some forms, keeping the tuned baselines and K-FAC's tuned runs: ``--forms pi
+relative --dampings 1 10 100 --reuse-baseline``; only step 3, keeping the rest:
+``--forms --reuse-baseline``.
 """
 
 from __future__ import annotations
@@ -90,7 +93,7 @@ RESULTS = Path(__file__).parent / "results" / "robustness.json"
 RERUN = Path(__file__).parent / "results" / "robustness_rerun.json"
 STEPS = 300
 DAMPINGS = (1e-4, 1e-3, 1e-2, 1e-1)
-FORMS = ("relative", "pi", "kaisa")
+FORMS = ("relative", "pi", "bounded", "kaisa")
 LEARNING_RATES = {"sgd": (0.01, 0.03, 0.1, 0.3), "adamw": (3e-4, 1e-3, 3e-3, 1e-2)}
 MAX_EXTENSIONS = 3
 # The targets: K-FAC's final loss at its defaults at most this times the tuned baseline's (1), and
@@ -100,6 +103,10 @@ TARGET_SPREAD = 2.0
 # The step rule the forms were compared under at the baseline's rate (step 2): the KAISA
 # reference's KL clip, the default when they were trained, as the experiments keep it.
 FORMS_STEP = optimizers.STEP_RULE
+# The damping form the step rules were compared under (``--tune-at``, ``--curvature-warmup``,
+# ``--kl-clips``): the default when they were trained, so that a rerun trains what their columns
+# hold.
+STEP_RULES_FORM = {"damping_form": preconditioning.PI}
 
 
 def curvature_summary(stats: kaisa_jax.CurvatureStatistics) -> dict[str, float]:
@@ -172,7 +179,7 @@ def tune_kfac(
   kfac: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
   """K-FAC at its defaults (`kaisa_jax.kfac` given only ``layers`` and ``lr``, and ``kfac`` if
-  given, recorded in the entry): its learning rate
+  given; the entry records them with the damping form in effect): its learning rate
   tuned by the baseline's rule (`tune_lr`) at the default damping (or at ``damping``), then every
   damping of `DAMPINGS` at that rate, each with the curvature after its runs' last step (the
   tuning damping's runs trained again for it: the same program, seeds and rate, so the same
@@ -192,13 +199,14 @@ def tune_kfac(
     "dampings": dampings,
     "curvature": curvature,
     "machine": machine(),
-  } | ({"kfac": kfac} if kfac else {})
+    "kfac": {"damping_form": preconditioning.DEFAULT_FORM, **(kfac or {})},
+  }
 
 
 def tune_clip(problem: suite.Problem, seeds: int, log, kl_clip: float | None) -> dict[str, Any]:
   """K-FAC at its defaults but for ``kl_clip``: final losses per learning rate, the rate tuned by
   the baseline's rule (`tune_lr`)."""
-  run = suite.make_run(problem, {"step_norm": "natural", "kl_clip": kl_clip})
+  run = suite.make_run(problem, {"step_norm": "natural", "kl_clip": kl_clip, **STEP_RULES_FORM})
   label = f"kfac (defaults, kl_clip={kl_clip})"
   return tune_lr(run, problem, seeds, log, label, preconditioning.DEFAULT_DAMPING)
 
@@ -212,7 +220,8 @@ def run_problem(
   previous: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
   """Tunes the baseline (or reuses ``previous``'s), trains K-FAC at ``forms`` x ``dampings`` at the
-  baseline's rate, and K-FAC at its defaults at its own tuned rate (`tune_kfac`)."""
+  baseline's rate, and K-FAC at its defaults at its own tuned rate (`tune_kfac`; kept from
+  ``previous`` where it has them and ``forms`` are given)."""
   problem = suite.SUITE[name]()
   start = time.perf_counter()
   out = {"kfac": {}, "curvature": {}, "seconds": 0.0, **(previous or {})}
@@ -228,7 +237,8 @@ def run_problem(
       out["kfac"].setdefault(form, {})[key] = losses
       out["curvature"].setdefault(form, {})[key] = curvature
       log(f"  kfac {form} damping={damping:g}: {mean(losses):.4g}")
-  out["tuned"] = tune_kfac(problem, seeds, log)
+  if not (forms and previous and "tuned" in previous):
+    out["tuned"] = tune_kfac(problem, seeds, log)
   out["seconds"] += time.perf_counter() - start
   return out
 
@@ -425,15 +435,15 @@ def _verdicts(rows: dict[str, dict[str, float]]) -> str:
   )
 
 
-def bounded_targets(results: dict[str, Any]) -> str:
-  """The targets' verdicts for ``damping_form="bounded"`` at its own tuned rate (`BOUNDED`), on
-  the problems it was run on; empty where it was run on none."""
-  rows = tuned_rows(results, BOUNDED)
+def former_targets(results: dict[str, Any]) -> str:
+  """The targets' verdicts for the former default form at its own tuned rate (`FORMER_DEFAULT`),
+  on the problems it was run on; empty where it was run on none."""
+  rows = tuned_rows(results, FORMER_DEFAULT)
   if not rows:
     return ""
   return (
-    f'- With `damping_form="bounded"` (run on {len(rows)} of {len(results["problems"])}), its '
-    f"rate tuned alike: {_verdicts(rows)}."
+    f'- With the former default `damping_form="{preconditioning.PI}"` (run on {len(rows)} of '
+    f"{len(results['problems'])}), its rate tuned alike: {_verdicts(rows)}."
   )
 
 
@@ -445,30 +455,31 @@ def _tuned_ratio(by_lr: dict[str, list[float]] | None, base: float) -> str:
   return f"{_ratio(mean(by_lr[repr(lr)]) / base)} (lr {lr:g})"
 
 
-# The tunings at the default step rule (`STEP_RULES`): the rate tuned at the default damping and
-# at 0.01.
-DEFAULT_RULE_TUNINGS = ("tuned", "tuned_0.01")
-# The defaults but for `kaisa_jax.kfac`'s ``curvature_warmup`` (``--curvature-warmup``; the entry
+# The defaults but for ``damping_form="pi"``, the default before ``"bounded"`` (``--damping-form
+# pi``; the entry records it under ``kfac``). Every other tuning but ``tuned`` ran with it.
+FORMER_DEFAULT = f"tuned_{preconditioning.PI}"
+# The tunings at the default step rule and ``"pi"`` (`STEP_RULES`): the rate tuned at the default
+# damping and at 0.01.
+DEFAULT_RULE_TUNINGS = (FORMER_DEFAULT, "tuned_0.01")
+# The same but for `kaisa_jax.kfac`'s ``curvature_warmup`` (``--curvature-warmup``; the entry
 # records it under ``kfac``).
 WARMUP = "tuned_warmup"
-# The defaults but for ``damping_form="bounded"`` (``--damping-form bounded``; recorded alike).
-BOUNDED = f"tuned_{preconditioning.BOUNDED}"
 # The tunings run on some problems only: their cells are left empty where they were not.
-PARTIAL_RULES = (WARMUP, BOUNDED)
+PARTIAL_RULES = (WARMUP,)
 # The step rules measured with their own tuned rate (`tune_kfac`), each at the damping its entry
-# records: the default, each layer given its gradient's norm (``tuned``), the same with the
-# curvature refreshed at every step of a warmup (`WARMUP`) and with its
-# rate tuned at a damping of 0.01 instead (``tuned_0.01``); one norm for all layers together, the
-# default before (``tuned_global``); and K-FAC's own step under the KAISA reference's KL clip, the
-# default before that (``tuned_kl_clip``). Beside them, the default step rule with the damping
-# bounded by each layer's curvature (`BOUNDED`).
+# records: the defaults, each layer given its gradient's norm and the damping bounded by its
+# curvature (``tuned``); the rest with the damping form ``"pi"``: each layer's gradient norm
+# (`FORMER_DEFAULT`), the same with the curvature refreshed at every step of a warmup (`WARMUP`)
+# and with its rate tuned at a damping of 0.01 instead (``tuned_0.01``); one norm for all layers
+# together, the default before (``tuned_global``); and K-FAC's own step under the KAISA
+# reference's KL clip, the default before that (``tuned_kl_clip``).
 STEP_RULES = {
-  "tuned": "each layer's gradient norm (default)",
-  WARMUP: "each layer's gradient norm, curvature warmup",
-  BOUNDED: "each layer's gradient norm, damping form bounded",
-  "tuned_0.01": "each layer's gradient norm",
-  "tuned_global": "all layers' gradient norm as one",
-  "tuned_kl_clip": "natural, kl_clip 0.001 (KAISA)",
+  "tuned": f"each layer's gradient norm, {preconditioning.DEFAULT_FORM} (default)",
+  FORMER_DEFAULT: "each layer's gradient norm, pi",
+  WARMUP: "each layer's gradient norm, pi, curvature warmup",
+  "tuned_0.01": "each layer's gradient norm, pi",
+  "tuned_global": "all layers' gradient norm as one, pi",
+  "tuned_kl_clip": "natural, kl_clip 0.001 (KAISA), pi",
 }
 # The step rules run on every problem that has the step rules' table.
 FULL_RULES = tuple(k for k in STEP_RULES if k not in PARTIAL_RULES)
@@ -516,7 +527,9 @@ def clip_table(results: dict[str, Any]) -> str:
   keys = {k for r in measured.values() for k in r["kl_clip"]}
   clips = sorted(keys, key=lambda k: (k == "None", 0.0 if k == "None" else float(k)))
   damping = _one_damping({r["kl_clip_damping"] for r in measured.values()}, "the KL clips")
-  at = "" if damping is None else f", damping {damping:g}"
+  at = f", {STEP_RULES_FORM['damping_form']}" + (
+    "" if damping is None else f", damping {damping:g}"
+  )
   lines = [
     "| model | baseline: lr, final loss | "
     + " | ".join(
@@ -720,7 +733,7 @@ def readme(results: dict[str, Any], rerun: dict[str, Any] | None = None) -> str:
   """K-FAC at its defaults against each tuned baseline, and the targets (README's block); with
   ``rerun``, the targets as read from it."""
   text = tuned_table(results) + "\n\n" + targets(results)
-  for line in (bounded_targets(results), same_cpu(results, rerun) if rerun is not None else ""):
+  for line in (former_targets(results), same_cpu(results, rerun) if rerun is not None else ""):
     if line:
       text += "\n" + line
   if rerun is not None:
@@ -794,7 +807,7 @@ def report(results: dict[str, Any], rerun: dict[str, Any] | None = None) -> str:
       "baseline's; then each damping at that rate, over the baseline's:",
       tuned_table(results),
       targets(results)
-      + ("\n" + line if (line := bounded_targets(results)) else "")
+      + ("\n" + line if (line := former_targets(results)) else "")
       + ("\n" + line if rerun is not None and (line := same_cpu(results, rerun)) else ""),
     ]
   if tuned and rerun is not None:
@@ -805,10 +818,10 @@ def report(results: dict[str, Any], rerun: dict[str, Any] | None = None) -> str:
     ]
   if any("kl_clip" in r for r in results["problems"].values()):
     parts += [
-      "K-FAC at its defaults (each layer's step given its gradient's norm), the same with the "
-      "curvature refreshed at every step of a warmup (`curvature_warmup`), with the damping "
-      'bounded by each layer\'s mean curvature (`damping_form="bounded"`), with one norm for '
-      "all layers together (the default before), then with K-FAC's own step length "
+      "K-FAC at its defaults (each layer's step given its gradient's norm, the damping bounded by "
+      'each layer\'s mean curvature), then with the former default `damping_form="pi"`: alone, '
+      "with the curvature refreshed at every step of a warmup (`curvature_warmup`), with one "
+      "norm for all layers together (the default before), then with K-FAC's own step length "
       '(`step_norm="natural"`) under each KL clip (`kl_clip`; 1e-3 the KAISA reference\'s, this '
       "library's default before the gradient's norm), each learning rate tuned by the same rule; "
       "each cell its final loss over the baseline's, and its rate:",
@@ -820,11 +833,11 @@ def report(results: dict[str, Any], rerun: dict[str, Any] | None = None) -> str:
       "rate:",
       rule_spread_table(results),
     ]
-  if any(r.get("tuned", {}).get("curvature") for r in results["problems"].values()):
+  if any(r.get(FORMER_DEFAULT, {}).get("curvature") for r in results["problems"].values()):
     runs = sum(1 for _ in _curvature_runs(results, "tuned"))
     parts += [
-      "K-FAC at its defaults, each damping at the rate tuned at the default damping (the runs of "
-      "the first table) and at the rate tuned at 0.01 (the step rules' table), "
+      'K-FAC at its defaults but for `damping_form="pi"` (unbounded), each damping at the rate '
+      "tuned at the default damping and at the rate tuned at 0.01 (the step rules' table), "
       f"{runs} runs, by the smallest relative damping over their layers after the last step:",
       curvature_table(results, "min_relative_damping", "tuned"),
       "The same runs by the largest relative damping over their layers:",
@@ -862,8 +875,11 @@ def figure(results: dict[str, Any], path: Path) -> None:
   import matplotlib.pyplot as plt
 
   problems = results["problems"]
-  tuned = tuned_rows(results)
-  at_001 = tuned_rows(results, "tuned_0.01")
+  lines = (
+    (tuned_rows(results), "k*--", f"{preconditioning.DEFAULT_FORM} (default), K-FAC's own lr"),
+    (tuned_rows(results, FORMER_DEFAULT), "s--", "pi, K-FAC's own lr"),
+    (tuned_rows(results, "tuned_0.01"), "^:", "pi, K-FAC's own lr tuned at damping 0.01"),
+  )
   cols = 4
   rows = -(-len(problems) // cols)
   fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
@@ -871,12 +887,9 @@ def figure(results: dict[str, Any], path: Path) -> None:
     for form in FORMS:
       dampings = [d for d in dampings_of(results, form) if repr(d) in r["kfac"][form]]
       ax.plot(dampings, [ratio(r, form, d) for d in dampings], "o-", label=form)
-    if name in tuned:
-      label = f"{preconditioning.DEFAULT_FORM}, K-FAC's own lr"
-      ax.plot(DAMPINGS, tuned[name]["ratios"], "k*--", label=label)
-    if name in at_001:
-      label = f"{preconditioning.DEFAULT_FORM}, K-FAC's own lr tuned at damping 0.01"
-      ax.plot(DAMPINGS, at_001[name]["ratios"], "^:", color="gray", label=label)
+    for rows_, style, label in lines:
+      if name in rows_:
+        ax.plot(DAMPINGS, rows_[name]["ratios"], style, label=label)
     ax.axhline(1.0, color="gray", lw=1, ls="--")
     ax.set(xscale="log", yscale="log", title=name, xlabel="damping")
   for ax in axes.flat[len(problems) :]:
@@ -944,9 +957,10 @@ def main(argv: list[str] | None = None) -> None:
   )
   parser.add_argument(
     "--damping-form",
-    choices=[preconditioning.BOUNDED],
-    help="train only K-FAC at its defaults but for this damping form, its rate tuned by the same "
-    f"rule (the results' {BOUNDED}), for problems already in the results file",
+    choices=[preconditioning.PI],
+    help="train only K-FAC at its defaults but for this damping form (the default before), its "
+    f"rate tuned by the same rule (the results' {FORMER_DEFAULT}), for problems already in the "
+    "results file",
   )
   parser.add_argument("--table", action="store_true", help="print the tables of the saved results")
   parser.add_argument("--figure", type=Path, help="draw the saved results into this file")
@@ -982,13 +996,13 @@ def main(argv: list[str] | None = None) -> None:
         save(results, args.out)
   elif args.tune_at is not None and not (args.table or args.figure or args.page):
     key = f"tuned_{args.tune_at!r}"
-    tune_each(parser, args, results, "--tune-at", key, damping=args.tune_at)
+    tune_each(parser, args, results, "--tune-at", key, damping=args.tune_at, kfac=STEP_RULES_FORM)
   elif args.curvature_warmup is not None and not (args.table or args.figure or args.page):
-    kfac = {"curvature_warmup": args.curvature_warmup}
+    kfac = {"curvature_warmup": args.curvature_warmup, **STEP_RULES_FORM}
     tune_each(parser, args, results, "--curvature-warmup", WARMUP, kfac=kfac)
   elif args.damping_form is not None and not (args.table or args.figure or args.page):
     kfac = {"damping_form": args.damping_form}
-    tune_each(parser, args, results, "--damping-form", BOUNDED, kfac=kfac)
+    tune_each(parser, args, results, "--damping-form", FORMER_DEFAULT, kfac=kfac)
   elif not (args.table or args.figure or args.page):
     for name in args.problems:
       print(name, flush=True)

@@ -166,7 +166,7 @@ def check_settings(
 def check(
   *,
   damping: hp.ScalarOrSchedule,
-  damping_form: str,
+  damping_form: str | None,
   factor_decay: hp.ScalarOrSchedule,
   factor_update_steps: hp.IntOrSchedule,
   inv_update_steps: hp.IntOrSchedule,
@@ -190,7 +190,9 @@ def check(
   ``>= 0``, ``kl_clip > 0`` (only with
   ``step_norm="natural"``; it needs ``lr``, which nothing else reads),
   ``lr >= 0``, numbers or schedules (checked at step 0); the plan's settings
-  as `check_settings` checks them; the choices among their options.
+  as `check_settings` checks them; the choices among their options. A
+  ``damping_form`` of ``None`` becomes the step rule's
+  (`kaisa_jax.preconditioning.default_form`).
   The mesh and the grid's size are checked when the collectives are made
   (`kaisa_jax.plan.collectives_for`).
   """
@@ -211,6 +213,8 @@ def check(
     factor_dtype=factor_dtype,
   )
   _check_step_norm(step_norm, kl_clip, lr)
+  if damping_form is None:
+    damping_form = preconditioning.default_form(step_norm)
   check_choice("damping_form", damping_form, preconditioning.DAMPING_FORMS)
   check_choice("weight_sharing", weight_sharing, factors_lib.WEIGHT_SHARING)
   return Config(

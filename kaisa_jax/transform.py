@@ -89,7 +89,7 @@ def kfac(
   layers: Layers,
   *,
   damping: hp.ScalarOrSchedule = preconditioning.DEFAULT_DAMPING,
-  damping_form: str = preconditioning.DEFAULT_FORM,
+  damping_form: str | None = None,
   factor_decay: hp.ScalarOrSchedule = 0.95,
   factor_update_steps: hp.IntOrSchedule = 10,
   inv_update_steps: hp.IntOrSchedule = 100,
@@ -128,19 +128,26 @@ def kfac(
       ``grad_fn = kaisa_jax.value_and_grad(loss_fn)``.
     damping: the damping ``lambda > 0``; what it adds depends on ``damping_form``.
     damping_form: how ``damping`` enters (`kaisa_jax.preconditioning`, with
-      ``mA``, ``mG`` each factor's mean eigenvalue): ``"pi"`` (default:
-      factored Tikhonov damping with the pi-correction, Martens and Grosse
-      2015, ``(A + pi sqrt(lambda) I) (x) (G + sqrt(lambda) / pi I)``,
-      ``pi = sqrt(mA / mG)``), ``"bounded"`` (the same with ``lambda``
-      bounded by each layer's mean curvature, ``min(lambda, mA mG)``: a large
-      damping cannot turn a layer's step into the gradient's direction),
-      ``"relative"`` (``(A + sqrt(lambda) mA I) (x) (G + sqrt(lambda) mG I)``:
-      each factor damped relative to its own scale) or ``"kaisa"`` (the KAISA
-      reference's absolute ``A (x) G + lambda I``; with the inverse method
-      ``(A + lambda I)^-1 V (G + lambda I)^-1``). The default pair, ``"pi"`` at
-      0.1, is the best of the forms ``"pi"``, ``"relative"`` and ``"kaisa"`` at
-      dampings 1e-4 to 1e-1 over the eight models of
-      ``benchmarks/robustness.py``.
+      ``mA``, ``mG`` each factor's mean eigenvalue): ``"bounded"`` (the
+      default with ``step_norm="gradient"``: factored Tikhonov damping with the pi-correction, Martens and Grosse
+      2015, ``(A + pi sqrt(l) I) (x) (G + sqrt(l) / pi I)`` with
+      ``pi = sqrt(mA / mG)`` and ``l = min(lambda, mA mG)``, the damping
+      bounded by each layer's mean curvature: a large damping cannot turn a
+      layer's step into the gradient's direction), ``"pi"`` (the same
+      without the bound, ``l = lambda``; the default with
+      ``step_norm="natural"``, whose step length the damping bounds in the
+      directions the factors barely see), ``"relative"``
+      (``(A + sqrt(lambda) mA I) (x) (G + sqrt(lambda) mG I)``: each factor
+      damped relative to its own scale) or ``"kaisa"`` (the KAISA reference's
+      absolute ``A (x) G + lambda I``; with the inverse method
+      ``(A + lambda I)^-1 V (G + lambda I)^-1``). Over the eight models of
+      ``benchmarks/robustness.py``, the default pair, ``"bounded"`` at 0.1,
+      ends at or below each tuned first-order baseline and every damping
+      from 1e-4 to 1e-1 within 2x of the best on all eight; ``"pi"`` keeps
+      that range on six. Under the KAISA KL clip ``"bounded"`` ended at or
+      below the baseline on three of them, ``"pi"`` on six
+      (`kaisa_jax.preconditioning.default_form`). ``"kaisa"``
+      reproduces the KAISA reference.
     factor_decay: running-average decay of the factors, in ``[0, 1)``; 0 keeps
       only the current batch.
     factor_update_steps: update the factors every this many steps (int >= 1).
@@ -160,9 +167,9 @@ def kfac(
       for that optimizer alone). ``"natural"``: K-FAC's own step, ``nu = 1``,
       or bounded by ``kl_clip``. On the eight models of
       ``benchmarks/robustness.py`` the default, its rate tuned, ends below each
-      tuned first-order baseline (0.31x to 0.95x), where K-FAC's own step under
-      the KAISA KL clip trailed on two (3.6x, 1.6x), though it led further on
-      others.
+      tuned first-order baseline (0.22x to 0.94x), where K-FAC's own step under
+      the KAISA KL clip (with ``"pi"``) trailed on two (3.6x, 1.6x), though it
+      led further on others.
     kl_clip: with ``step_norm="natural"`` only: scale the preconditioned
       gradients by ``nu = min(1, sqrt(kl_clip / |lr^2 sum <P, V>|))`` (the KAISA
       reference's KL clip, which it sets to 1e-3); ``None`` (default): no clip.

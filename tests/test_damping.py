@@ -89,6 +89,38 @@ def test_bounded_form_stops_the_damping_at_the_layers_curvature(x64, method):
   assert not np.allclose(got, ref.damped_solve(a_ref, g_ref, v, damping, "pi", method))
 
 
+@pytest.mark.parametrize(
+  ("step_norm", "form", "other"), [("gradient", "bounded", "pi"), ("natural", "pi", "bounded")]
+)
+def test_the_default_form_follows_the_step_rule(x64, step_norm, form, other):
+  """With no ``damping_form`` (``None``), ``kfac`` damps as ``"bounded"`` under each layer's
+  gradient norm and as ``"pi"`` under K-FAC's own step, at a damping (20x the layer's
+  curvature) where the two forms give different updates."""
+  model, params, x, head = _dense_problem()
+  loss_fn = lambda p, x: head(model.apply(p, x))  # noqa: E731
+  g = np.asarray(jax.grad(head)(model.apply(params, x)))
+  a_ref = ref.input_factor(ref.dense_rows(np.asarray(x), True))
+  g_ref = ref.output_factor(g, n=8)
+  damping = 20 * np.trace(a_ref) / 6 * np.trace(g_ref) / 3
+
+  def update(damping_form):
+    *_, tx, _, updates = one_update(
+      loss_fn,
+      params,
+      x,
+      damping=damping,
+      damping_form=damping_form,
+      step_norm=step_norm,
+      factor_dtype=jnp.float64,
+    )
+    return tx.plan.damping_form, np.asarray(updates["params"]["kernel"])
+
+  default, named, unnamed = update(None), update(form), update(other)
+  assert default[0] == named[0] == form
+  np.testing.assert_array_equal(default[1], named[1])
+  assert not np.allclose(default[1], unnamed[1])
+
+
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("form", FORMS)
 def test_embedding_diagonal_side_each_form_matches_dense_solve(x64, form, method):

@@ -264,7 +264,7 @@ def test_many_devices_drift_from_one_no_more_than_a_reordered_batch():
   from benchmarks import device_drift
   from experiments import suite
 
-  kfac = device_drift.CONFIGS["K-FAC, damping_form='kaisa', damping=1e-3"]
+  kfac = device_drift.CONFIGS["K-FAC, the same, damping_form='kaisa', damping=1e-3"]
   d = device_drift.drift(suite.SUITE["gru"](), kfac, steps=10, devices=4)
   assert d["mesh"][0] < 1e-5 and d["permuted"][0] < 1e-5
   for mesh, permuted in zip(d["mesh"], d["permuted"], strict=True):

@@ -349,9 +349,16 @@ def test_the_damping_warning_fires_once(monkeypatch):
 def test_the_default_step_rule_flags_no_damping(monkeypatch):
   """Each layer's step given its gradient's norm (the default): the robustness benchmark found no
   relative damping that marks a worse run, so nothing is flagged and nothing warns, at dampings
-  the thresholds flag under K-FAC's own step length."""
+  the thresholds flag under K-FAC's own step length (read with ``"pi"``, whose relative damping
+  is proportional to the damping). With the default form, ``"bounded"``, no layer's relative
+  damping exceeds 1 at any damping: none drowns."""
   monkeypatch.setattr(statistics, "_warned", set())
   kfac, opt_state = _trained("eigen")
+  assert (kfac.plan.step_norm, kfac.plan.damping_form) == ("gradient", "bounded")
+  stats = kaisa_jax.curvature_statistics(kfac, opt_state, damping=1e6)
+  assert max(float(s.relative_damping) for s in stats.layers.values()) <= 1.0 + 1e-6
+  assert kaisa_jax.check_damping(stats, "natural").drowning == {}
+  kfac, opt_state = _trained("eigen", damping_form="pi")
   assert kfac.plan.step_norm == "gradient"
   low, _, high = _flagging_dampings(kfac, opt_state)
   with warnings.catch_warnings(record=True) as caught:

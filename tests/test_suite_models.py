@@ -57,12 +57,15 @@ PASSED = {
 }
 # The learning rate each model's first-order optimizer was tuned to in benchmarks/robustness.py.
 LR = {"vit": 3e-3, "gru": 0.3, "lstm": 0.9, "resnet_bn": 0.3, "nnx_mlp": 0.3}
-# K-FAC's loss over the baseline's after `STEPS` steps must stay at most this. K-FAC
-# is ahead on three models (measured 0.87 ViT, 0.58 ResNet, 0.44 NNX MLP); on the
-# recurrent models SGD at its tuned rate leads this early (measured 1.13 GRU, 1.49
-# LSTM; after 300 steps, README "Choosing the damping": GRU 0.23, LSTM 17), and the
-# bound holds K-FAC to that.
-AT_MOST = {"vit": 1.0, "gru": 1.2, "lstm": 1.6, "resnet_bn": 1.0, "nnx_mlp": 1.0}
+# K-FAC's loss over the baseline's after `STEPS` steps must stay at most this. At the
+# defaults (damping form "bounded") K-FAC is ahead this early on the GRU, the LSTM and the
+# NNX MLP (measured 0.75, 0.60, 0.34), level on the ViT and behind on the ResNet (1.01 to
+# 1.19 and 1.01 to 1.37 over runs of this test: a training this short and at the
+# baseline's rate amplifies the rounding, which differs between processes; with
+# damping_form="pi", 0.87 to 0.91 and 0.58). After 300 steps at its own tuned rate it
+# ends ahead of the baseline on all five (README, "On models it was not tuned on": ViT
+# 0.76, ResNet 0.94); the bound holds K-FAC to what was measured here.
+AT_MOST = {"vit": 1.3, "gru": 1.0, "lstm": 1.0, "resnet_bn": 1.5, "nnx_mlp": 1.0}
 # Models whose runs take longer than an optimised compilation (tests/conftest.py `OPTIMISED`):
 # with it the ResNet's test took 38.5 s against 83.5 s; the ViT's 36.6 s against 34.4 s (kept at 0).
 RUN_LONG = {"resnet_bn"}
