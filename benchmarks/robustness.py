@@ -185,6 +185,7 @@ def tune_kfac(
   tuning damping's runs trained again for it: the same program, seeds and rate, so the same
   losses)."""
   run = suite.make_run(problem, kfac or {})
+  step_norm = (kfac or {}).get("step_norm", preconditioning.GRADIENT)
   default = preconditioning.DEFAULT_DAMPING if damping is None else damping
   by_lr = tune_lr(run, problem, seeds, log, "kfac (defaults)", default)
   lr = best_lr(by_lr)
@@ -199,7 +200,7 @@ def tune_kfac(
     "dampings": dampings,
     "curvature": curvature,
     "machine": machine(),
-    "kfac": {"damping_form": preconditioning.DEFAULT_FORM, **(kfac or {})},
+    "kfac": {"damping_form": preconditioning.default_form(step_norm), **(kfac or {})},
   }
 
 
@@ -886,7 +887,12 @@ def figure(results: dict[str, Any], path: Path) -> None:
   for ax, (name, r) in zip(axes.flat, problems.items(), strict=False):
     for form in FORMS:
       dampings = [d for d in dampings_of(results, form) if repr(d) in r["kfac"][form]]
-      ax.plot(dampings, [ratio(r, form, d) for d in dampings], "o-", label=form)
+      ax.plot(
+        dampings,
+        [ratio(r, form, d) for d in dampings],
+        "o-",
+        label=f"{form}, baseline's lr, KL clip",
+      )
     for rows_, style, label in lines:
       if name in rows_:
         ax.plot(DAMPINGS, rows_[name]["ratios"], style, label=label)
@@ -896,8 +902,8 @@ def figure(results: dict[str, Any], path: Path) -> None:
     ax.axis("off")
   axes[0, 0].set_ylabel("final loss / tuned baseline")
   handles, labels = axes[0, 0].get_legend_handles_labels()
-  fig.legend(handles, labels, loc="lower center", ncol=len(labels))
-  fig.tight_layout(rect=(0, 0.06, 1, 1))
+  fig.legend(handles, labels, loc="lower center", ncol=4)
+  fig.tight_layout(rect=(0, 0.1, 1, 1))
   fig.savefig(path, dpi=120)
 
 
