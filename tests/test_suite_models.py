@@ -60,7 +60,7 @@ LR = {"vit": 3e-3, "gru": 0.3, "lstm": 0.9, "resnet_bn": 0.3, "nnx_mlp": 0.3}
 # K-FAC's loss over the baseline's after `STEPS` steps must stay at most this. At the
 # defaults (damping form "bounded") K-FAC is ahead this early on the GRU, the LSTM and the
 # NNX MLP (measured 0.75, 0.60, 0.34), level on the ViT and behind on the ResNet (1.01 to
-# 1.19 and 1.01 to 1.37 over runs of this test: a training this short and at the
+# 1.19 and 1.01 to 1.37 over three runs of the same training: one this short and at the
 # baseline's rate amplifies the rounding, which differs between processes; with
 # damping_form="pi", 0.87 to 0.91 and 0.58). After 300 steps at its own tuned rate it
 # ends ahead of the baseline on all five (README, "On models it was not tuned on": ViT
