@@ -103,10 +103,11 @@ TARGET_SPREAD = 2.0
 # The step rule the forms were compared under at the baseline's rate (step 2): the KAISA
 # reference's KL clip, the default when they were trained, as the experiments keep it.
 FORMS_STEP = optimizers.STEP_RULE
-# The damping form the step rules were compared under (``--tune-at``, ``--curvature-warmup``,
-# ``--kl-clips``): the default when they were trained, so that a rerun trains what their columns
-# hold.
-STEP_RULES_FORM = {"damping_form": preconditioning.PI}
+# The default damping form before ``"bounded"``, under which the step rules were compared
+# (``--tune-at``, ``--curvature-warmup``, ``--kl-clips`` pin it, so that a rerun trains what their
+# columns hold).
+FORMER_FORM = preconditioning.PI
+STEP_RULES_FORM = {"damping_form": FORMER_FORM}
 
 
 def curvature_summary(stats: kaisa_jax.CurvatureStatistics) -> dict[str, float]:
@@ -443,7 +444,7 @@ def former_targets(results: dict[str, Any]) -> str:
   if not rows:
     return ""
   return (
-    f'- With the former default `damping_form="{preconditioning.PI}"` (run on {len(rows)} of '
+    f'- With the former default `damping_form="{FORMER_FORM}"` (run on {len(rows)} of '
     f"{len(results['problems'])}), its rate tuned alike: {_verdicts(rows)}."
   )
 
@@ -458,7 +459,7 @@ def _tuned_ratio(by_lr: dict[str, list[float]] | None, base: float) -> str:
 
 # The defaults but for ``damping_form="pi"``, the default before ``"bounded"`` (``--damping-form
 # pi``; the entry records it under ``kfac``). Every other tuning but ``tuned`` ran with it.
-FORMER_DEFAULT = f"tuned_{preconditioning.PI}"
+FORMER_DEFAULT = f"tuned_{FORMER_FORM}"
 # The tunings at the default step rule and ``"pi"`` (`STEP_RULES`): the rate tuned at the default
 # damping and at 0.01.
 DEFAULT_RULE_TUNINGS = (FORMER_DEFAULT, "tuned_0.01")
@@ -476,11 +477,11 @@ PARTIAL_RULES = (WARMUP,)
 # reference's KL clip, the default before that (``tuned_kl_clip``).
 STEP_RULES = {
   "tuned": f"each layer's gradient norm, {preconditioning.DEFAULT_FORM} (default)",
-  FORMER_DEFAULT: "each layer's gradient norm, pi",
-  WARMUP: "each layer's gradient norm, pi, curvature warmup",
-  "tuned_0.01": "each layer's gradient norm, pi",
-  "tuned_global": "all layers' gradient norm as one, pi",
-  "tuned_kl_clip": "natural, kl_clip 0.001 (KAISA), pi",
+  FORMER_DEFAULT: f"each layer's gradient norm, {FORMER_FORM}",
+  WARMUP: f"each layer's gradient norm, {FORMER_FORM}, curvature warmup",
+  "tuned_0.01": f"each layer's gradient norm, {FORMER_FORM}",
+  "tuned_global": f"all layers' gradient norm as one, {FORMER_FORM}",
+  "tuned_kl_clip": f"natural, kl_clip 0.001 (KAISA), {FORMER_FORM}",
 }
 # The step rules run on every problem that has the step rules' table.
 FULL_RULES = tuple(k for k in STEP_RULES if k not in PARTIAL_RULES)
@@ -528,9 +529,7 @@ def clip_table(results: dict[str, Any]) -> str:
   keys = {k for r in measured.values() for k in r["kl_clip"]}
   clips = sorted(keys, key=lambda k: (k == "None", 0.0 if k == "None" else float(k)))
   damping = _one_damping({r["kl_clip_damping"] for r in measured.values()}, "the KL clips")
-  at = f", {STEP_RULES_FORM['damping_form']}" + (
-    "" if damping is None else f", damping {damping:g}"
-  )
+  at = f", {FORMER_FORM}" + ("" if damping is None else f", damping {damping:g}")
   lines = [
     "| model | baseline: lr, final loss | "
     + " | ".join(
@@ -878,8 +877,12 @@ def figure(results: dict[str, Any], path: Path) -> None:
   problems = results["problems"]
   lines = (
     (tuned_rows(results), "k*--", f"{preconditioning.DEFAULT_FORM} (default), K-FAC's own lr"),
-    (tuned_rows(results, FORMER_DEFAULT), "s--", "pi, K-FAC's own lr"),
-    (tuned_rows(results, "tuned_0.01"), "^:", "pi, K-FAC's own lr tuned at damping 0.01"),
+    (tuned_rows(results, FORMER_DEFAULT), "s--", f"{FORMER_FORM}, K-FAC's own lr"),
+    (
+      tuned_rows(results, "tuned_0.01"),
+      "^:",
+      f"{FORMER_FORM}, K-FAC's own lr tuned at damping 0.01",
+    ),
   )
   cols = 4
   rows = -(-len(problems) // cols)
@@ -963,7 +966,7 @@ def main(argv: list[str] | None = None) -> None:
   )
   parser.add_argument(
     "--damping-form",
-    choices=[preconditioning.PI],
+    choices=[FORMER_FORM],
     help="train only K-FAC at its defaults but for this damping form (the default before), its "
     f"rate tuned by the same rule (the results' {FORMER_DEFAULT}), for problems already in the "
     "results file",
