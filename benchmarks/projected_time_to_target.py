@@ -351,7 +351,7 @@ def main() -> None:
       continue
     if left := scale.unrun_of(scaling, name):
       print(
-        f"{name}: its study is in progress (batches {' '.join(map(str, left))} not run yet): "
+        f"{name}: its study is in progress ({scale.batches_text(left)} not run yet): "
         "not projected, since a device count's fastest batch may be among them"
       )
       continue

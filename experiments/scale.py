@@ -1051,10 +1051,16 @@ def report(lines: Sequence[Line], unrun: Sequence[int] = ()) -> str:
   return "\n".join(out)
 
 
+def batches_text(batches: Sequence[int]) -> str:
+  """``batch 8192`` or ``batches 4096, 8192``."""
+  return ("batch " if len(batches) == 1 else "batches ") + ", ".join(map(str, batches))
+
+
 def progress_text(unrun: Sequence[int]) -> str:
   """What a table of a study in progress lacks."""
+  verb = "is" if len(unrun) == 1 else "are"
   return (
-    f"**In progress:** batches {', '.join(map(str, unrun))} of the protocol are not run yet; "
+    f"**In progress:** {batches_text(unrun)} of the protocol {verb} not run yet; "
     "the figures below are those of the batches run so far."
   )
 
@@ -1147,7 +1153,7 @@ def targets(summary: Mapping[str, Any]) -> tuple[list[str], list[str]]:
     new = has_variants(lines[0])
     (current if new else earlier).append(task)
     if new and unrun:
-      progress.append(f"{task} (batches {', '.join(map(str, unrun))} not run yet)")
+      progress.append(f"{task} ({batches_text(unrun)} not run yet)")
     edge = ", ".join(edges(lines)) or "none" if new else "not checked (3 rates, no extension)"
     for k in (n for n in names if is_kfac(n)):
       cells, critical, steps = target_row(table, figures(table, names, k), unrun)

@@ -746,6 +746,9 @@ def test_scale_summary_writes_its_summary_and_publishes_it(tmp_path, capsys, pub
   assert "K-FAC's critical batch / the best baseline's (SGD, 512): 1.00x (512 / 512)." in text
   # The protocol's 2048 and 3200 are not in the lines: a study in progress, and said so.
   assert "**In progress:** batches 2048, 3200 of the protocol are not run yet" in text
+  assert scale.progress_text([3200]).startswith(
+    "**In progress:** batch 3200 of the protocol is not"
+  )
   assert (
     "At batch 1024, the largest where a baseline reaches the target so far (SGD, 80 steps)" in text
   )

@@ -112,7 +112,7 @@ def test_a_study_in_progress_is_not_projected(tmp_path, monkeypatch, capsys):
   monkeypatch.setattr(sys, "argv", ["ptt", "--scaling", str(scaling), "--publish"])
   ptt.main()
   assert (
-    "charlm: its study is in progress (batches 512 1024 not run yet)" in capsys.readouterr().out
+    "charlm: its study is in progress (batches 512, 1024 not run yet)" in capsys.readouterr().out
   )
   assert ptt.scale.unrun_of(json.loads(scaling.read_text()), "mnist1d") == []
 
