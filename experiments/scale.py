@@ -252,6 +252,11 @@ def factor_label(factor: float) -> str:
   return f"{factor:g}" if factor >= 1 else f"1/{1 / factor:g}"
 
 
+def batches_text(batches: Sequence[int]) -> str:
+  """``batch 8192`` or ``batches 4096, 8192``."""
+  return ("batch " if len(batches) == 1 else "batches ") + ", ".join(map(str, batches))
+
+
 def make_plan(
   protocol: Protocol,
   batches: Sequence[int] | None,
@@ -280,8 +285,7 @@ def make_plan(
   if steps is None and missing:
     known = ", ".join(f"{b}: {s}" for b, s in protocol.budgets.items())
     raise ValueError(
-      f"no step budget for batch {' '.join(map(str, missing))} in the protocol "
-      f"({known}): give --steps"
+      f"no step budget for {batches_text(missing)} in the protocol ({known}): give --steps"
     )
   budgets = {b: steps or protocol.budgets[b] for b in batches}
   centres = {n: protocol.centres[n] for n in names}
@@ -311,7 +315,7 @@ def check_batches(task: Task, batches: Sequence[int]) -> None:
   over = [b for b in batches if b > room]
   if over:
     raise ValueError(
-      f"batch {' '.join(map(str, over))} exceeds the {room} training examples of "
+      f"{batches_text(over)} exceed{'s' if len(over) == 1 else ''} the {room} training examples of "
       f"{task.name}'s sweep split (its training set less a {VALIDATION_FRACTION * 100:g} % "
       "validation split)"
     )
@@ -1027,7 +1031,7 @@ def report(lines: Sequence[Line], unrun: Sequence[int] = ()) -> str:
     cells = [steps_cell(at.get(n)) for n in names] + [ratio_cell(at, k) for k in kfacs]
     out.append(f"| {b} | {budgets[b]} | " + " | ".join(cells) + " |")
   chosen_head = (
-    f"Learning rate chosen at batches {', '.join(map(str, table))}, "
+    f"Learning rate chosen at {batches_text(list(table))}, "
     f"as a factor of c x sqrt(B/{REFERENCE_BATCH})"
   )
   if has_variants(first):
@@ -1049,11 +1053,6 @@ def report(lines: Sequence[Line], unrun: Sequence[int] = ()) -> str:
     f"{chosen_head}: " + "; ".join(chosen_text(table, n) for n in names) + ".",
   ]
   return "\n".join(out)
-
-
-def batches_text(batches: Sequence[int]) -> str:
-  """``batch 8192`` or ``batches 4096, 8192``."""
-  return ("batch " if len(batches) == 1 else "batches ") + ", ".join(map(str, batches))
 
 
 def progress_text(unrun: Sequence[int]) -> str:

@@ -353,7 +353,7 @@ BAD_ARGUMENTS = [
   (["scale", "--batches", "0"], "argument --batches: 0 is not positive"),
   (["scale", "--batches", "8", "16", "8"], "argument --batches: given more than once: 8"),
   (["scale", "--batches", "8", "100", "--steps", "2"], "batch 100 exceeds the 77 training"),
-  (["scale"], "batch 128 256 512 1024 2048 3200 exceeds the 77 training examples"),
+  (["scale"], "batches 128, 256, 512, 1024, 2048, 3200 exceed the 77 training examples"),
   (["scale", "--task", "digits"], "argument --task: invalid choice: 'digits'"),
   (["scale", "--optimizers", "kfac_adamw"], "no scaling protocol for kfac_adamw"),
   (["scale", "--batches", "8"], "no step budget for batch 8"),
