@@ -30,10 +30,10 @@ batch the optimizers take turns, trial by trial (the extensions too) and seed by
 seed, so that the machine's slow spells fall on all alike.
 
 In ``docs/benchmarks/scaling.md`` (``benchmarks/results/scaling.json``)
-every task's table is of this protocol, ``charlm``'s in progress (`unrun_batches`:
-its table has the batches run so far): ``python -m experiments scale --task TASK``, then
+every task's table is of this protocol: ``python -m experiments scale --task TASK``, then
 ``python -m experiments scale-summary --publish``, regenerates a task's table and keeps the
-others'. Lines of the earlier protocol render as they always did, and the targets
+others'; a study in progress (`unrun_batches`) publishes the batches run so far and names
+those left. Lines of the earlier protocol render as they always did, and the targets
 (`targets_markdown`) count only the tasks of this protocol, and a task in progress only
 where its batches left cannot change the verdict.
 
